@@ -1,0 +1,37 @@
+# Two commands for a newcomer: `make demo` and `make test`. Each sets up what it needs.
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip
+STAMP   := .venv/.installed
+AZURITE := .cache/azurite/node_modules/.bin/azurite
+
+.PHONY: demo test test-unit bench clean install
+
+$(PY):
+	python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): $(PY) requirements-dev.txt pyproject.toml
+	$(PIP) install -q -r requirements-dev.txt
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+$(AZURITE):
+	mkdir -p .cache/azurite
+	cd .cache/azurite && npm install --no-audit --no-fund --silent azurite@3.35.0
+
+install: $(STAMP) $(AZURITE)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP) $(AZURITE)
+	$(PY) -m pytest -q -ra --durations=15 tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+bench: $(STAMP)
+	$(PY) benchmarks/recovery.py
+
+clean:
+	rm -rf .venv .cache

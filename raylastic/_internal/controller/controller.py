@@ -1,0 +1,526 @@
+"""The controller: executes the state machine in ``states.py``; policies decide.
+
+It runs in a Ray actor that reserves no CPU or GPU, pinned (softly) to the driver's
+node, so it neither needs a worker slot nor dies with a preempted worker node.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+
+from raylastic._internal.controller.states import (
+    Errored, Finished, Resizing, Running, Scheduling, check_transition, is_terminal,
+)
+from raylastic._internal.worker_group.pool import WorkerHandle, WorkerPool
+from raylastic._internal.worker_group.worker import PollResult, WorkerStatus
+from raylastic.checkpoint.manager import CheckpointManager
+from raylastic.config import RunConfig, ScalingConfig, describe
+from raylastic.errors import (
+    InsufficientCapacityError, RankFailure, TrainingAborted, TrainingFailedError,
+)
+from raylastic.events import EventKind, EventLog
+from raylastic.policies.base import Noop, Raise, Resize, Retry, Wait
+from raylastic.policies.failure import FailureCounts, FailureKind, FailurePolicy
+from raylastic.policies.scaling import ElasticScalingPolicy, ScalingSnapshot
+from raylastic.session import GroupSpec, RestoreInfo
+
+logger = logging.getLogger("raylastic")
+
+# How long a worker may not answer polls before it is declared lost. Ray's own health
+# checks usually declare the actor dead sooner (see README: failure detection).
+UNAVAILABLE_GRACE_S = 15.0
+# After a rank raises, how long to look for a dead peer before calling it a real error
+# (a rank whose peer vanished mid-collective raises a connection error first).
+ERROR_CLASSIFY_GRACE_S = 5.0
+# How long survivors get to unwind their train function before being replaced.
+JOIN_TIMEOUT_S = 30.0
+# Process-group formation timeout.
+GROUP_TIMEOUT_S = 60.0
+# Graceful stop: how far ahead (seconds of steps) to place the agreed stop index, and
+# how long to wait for a checkpoint boundary instead of stopping sooner.
+STOP_AHEAD_S = 0.3
+MAX_WAIT_FOR_BOUNDARY_S = 20.0
+
+
+class Controller:
+    """Ray actor body. ``run()`` blocks until training ends and returns an outcome dict."""
+
+    def __init__(self, train_func: Callable, train_loop_config: Optional[Dict[str, Any]],
+                 scaling: ScalingConfig, run: RunConfig, storage, run_rel: str, run_name: str):
+        self._train_func = train_func
+        self._config = train_loop_config
+        self._scaling = scaling
+        self._run = run
+        self._storage = storage
+        self._run_rel = run_rel
+        self._run_name = run_name
+        self._stop_requested = threading.Event()
+        self._events = EventLog(storage, run_rel, verbose=run.verbose)
+        self._ckpt = CheckpointManager(storage, run_rel, run.checkpoint_config.num_to_keep, self._events)
+        self._scaling_policy = ElasticScalingPolicy(
+            min_workers=scaling.min_workers, max_workers=scaling.max_workers,
+            max_wait_s=scaling.max_wait_s,
+        )
+        fc = run.failure_config
+        self._failure_policy = FailurePolicy(fc.max_failures, fc.max_node_failures)
+        self._counts = FailureCounts()
+        self._pool = WorkerPool(
+            target=scaling.max_workers, resources=scaling.worker_resources(),
+            use_gpu=scaling.use_gpu, storage=storage, run_rel=run_rel, run_name=run_name,
+        )
+        self._epoch = 0
+        self._restarts = 0
+        self._state: object = Scheduling(since=time.monotonic())
+        self._latest_metrics: Dict[str, Any] = {}
+        self._world_sizes: List[int] = []
+        self._step_time_s = 0.05  # running estimate, used to place graceful stops
+        self._last_rank0: Optional[tuple] = None  # (index, monotonic time)
+        self._lock = threading.Lock()
+
+    # -- public actor methods ------------------------------------------------------
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    def status(self) -> Dict[str, Any]:
+        with self._lock:
+            st = self._state
+            return {
+                "state": type(st).__name__,
+                "epoch": self._epoch,
+                "world_size": len(st.members) if isinstance(st, Running) else 0,
+                "metrics": dict(self._latest_metrics),
+                "world_sizes": list(self._world_sizes),
+            }
+
+    def run(self) -> Dict[str, Any]:
+        self._events.emit(
+            EventKind.RUN_STARTED, f"run {self._run_name} started at {self._storage.uri}/{self._run_rel}",
+            scaling=describe(self._scaling), run=_run_desc(self._run),
+            resources_per_worker=self._scaling.worker_resources(),
+            resume_from=self._ckpt.latest().index if self._ckpt.latest() else None,
+        )
+        self._ckpt.delete_uncommitted()
+        try:
+            while not is_terminal(self._state):
+                if self._stop_requested.is_set():
+                    self._abort_all("stop requested (Ctrl-C or shutdown)")
+                    self._set_state(Errored(TrainingAborted("training was interrupted")))
+                    break
+                self._pool.refresh()
+                self._pool.fill()
+                self._set_state(self._step(self._state))
+        except BaseException as e:  # noqa: BLE001 - never leave workers behind
+            logger.exception("controller crashed")
+            self._set_state(Errored(e), check=False)
+        finally:
+            self._pool.shutdown()
+        return self._outcome()
+
+    # -- state machine -------------------------------------------------------------
+    def _set_state(self, new: object, check: bool = True) -> None:
+        with self._lock:
+            old = self._state
+            if new is old:
+                return
+            if check:
+                check_transition(old, new)
+            self._state = new
+        self._events.emit(EventKind.STATE, state=type(new).__name__, previous=type(old).__name__)
+
+    def _step(self, st: object) -> object:
+        if isinstance(st, Scheduling):
+            return self._step_scheduling(st)
+        if isinstance(st, Running):
+            return self._step_running(st)
+        if isinstance(st, Resizing):
+            return self._step_resizing(st)
+        raise AssertionError(f"no step for {st!r}")
+
+    # -- Scheduling ----------------------------------------------------------------
+    def _step_scheduling(self, st: Scheduling) -> object:
+        now = time.monotonic()
+        spares = self._pool.ready_spares([])
+        snap = ScalingSnapshot(now=now, group_size=0, ready_spares=len(spares),
+                               last_ready_at=self._pool.last_ready_at, waiting_since=st.since,
+                               last_wait_log_at=st.last_log_at)
+        d = self._scaling_policy.decide(snap)
+        if isinstance(d, Raise):
+            self._events.emit(EventKind.DECISION, d.reason, decision="raise")
+            return Errored(InsufficientCapacityError(
+                self._scaling.min_workers, len(spares), now - st.since, self._scaling.worker_resources()))
+        if isinstance(d, Wait):
+            if d.log:
+                self._events.emit(EventKind.CAPACITY_WAIT, d.reason, ready=len(spares))
+                st.last_log_at = now
+            time.sleep(self._run.poll_interval_s)
+            return st
+        if isinstance(d, Noop):
+            time.sleep(self._run.poll_interval_s)
+            return st
+        assert isinstance(d, Resize)
+        self._events.emit(EventKind.DECISION, d.reason, decision="resize", world_size=d.world_size)
+        members = sorted(spares, key=lambda h: (h.prev_rank, h.wid))[: d.world_size]
+        return self._form_group(members) or Scheduling(since=st.since)
+
+    def _form_group(self, members: List[WorkerHandle]) -> Optional[Running]:
+        self._epoch += 1
+        epoch = self._epoch
+        members = _order_by_node(members)
+        world = len(members)
+        backend = self._scaling.backend
+        try:
+            addr = ray.get(members[0].actor.host_store.remote(world, GROUP_TIMEOUT_S), timeout=GROUP_TIMEOUT_S)
+            node_ranks, local = _local_ranks(members)
+            specs = [
+                GroupSpec(epoch=epoch, rank=r, world_size=world, local_rank=local[m.wid][0],
+                          local_world_size=local[m.wid][1], node_rank=node_ranks[m.node_id],
+                          master_addr=addr["addr"], master_port=addr["port"], backend=backend,
+                          timeout_s=GROUP_TIMEOUT_S)
+                for r, m in enumerate(members)
+            ]
+            ray.get([m.actor.setup_group.remote(s) for m, s in zip(members, specs)], timeout=GROUP_TIMEOUT_S + 10)
+        except (RayActorError, GetTimeoutError) as e:
+            dead = self._pool.probe(members, timeout_s=2.0)
+            for h in members:
+                if h.wid in dead:
+                    self._pool.remove(h, kill=True)
+            self._events.emit(EventKind.FAILURE, f"group formation for epoch {epoch} failed: {e}; "
+                              f"{len(dead)} worker(s) gone, re-forming", epoch=epoch, kind="formation")
+            return None
+        for r, m in enumerate(members):
+            m.prev_rank = r
+        latest = self._ckpt.latest()
+        restore = RestoreInfo(checkpoint_rel=latest.rel if latest else None,
+                              index=latest.index if latest else 0, restart_count=self._restarts)
+        self._ckpt.begin_epoch(epoch, world)
+        prev = self._world_sizes[-1] if self._world_sizes else 0
+        self._world_sizes.append(world)
+        self._events.emit(
+            EventKind.GROUP_FORMED,
+            f"epoch {epoch}: world size {prev} -> {world}"
+            + (f", resuming from checkpoint {latest.index}" if latest else ", fresh start"),
+            epoch=epoch, world_size=world, previous_world_size=prev,
+            nodes=[m.node_id for m in members], restore_index=restore.index,
+            restore_path=restore.checkpoint_rel,
+        )
+        if latest:
+            self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=latest.index, path=latest.rel)
+        ray.get([m.actor.start.remote(self._train_func, self._config, s, restore)
+                 for m, s in zip(members, specs)], timeout=GROUP_TIMEOUT_S)
+        self._events.emit(EventKind.TRAINING_STARTED, epoch=epoch, world_size=world)
+        return Running(epoch=epoch, members=members, started_at=time.monotonic(),
+                       restored_index=restore.index)
+
+    # -- Running -------------------------------------------------------------------
+    def _poll(self, st: Running, members: List[WorkerHandle]):
+        """Poll every member once. Returns (results by wid, lost handles, lost causes)."""
+        refs = {m.actor.poll.remote(): m for m in members}
+        done, not_done = ray.wait(list(refs), num_returns=len(refs), timeout=max(1.0, self._run.poll_interval_s))
+        results: Dict[int, PollResult] = {}
+        lost: List[WorkerHandle] = []
+        causes: Dict[int, BaseException] = {}
+        now = time.monotonic()
+        for ref in done:
+            m = refs[ref]
+            try:
+                results[m.wid] = ray.get(ref)
+                st.unavailable_since.pop(m.wid, None)
+            except ActorUnavailableError:
+                since = st.unavailable_since.setdefault(m.wid, now)
+                if now - since > UNAVAILABLE_GRACE_S:
+                    lost.append(m)
+            except RayActorError as e:
+                lost.append(m)
+                causes[m.wid] = e
+        for ref in not_done:
+            m = refs[ref]
+            since = st.unavailable_since.setdefault(m.wid, now)
+            if now - since > UNAVAILABLE_GRACE_S:
+                lost.append(m)
+        return results, lost, causes
+
+    def _step_running(self, st: Running) -> object:
+        results, lost, causes = self._poll(st, st.members)
+        failures: List[RankFailure] = []
+        for m in st.members:
+            r = results.get(m.wid)
+            if r is None:
+                continue
+            self._ingest(st, m, r)
+            if r.status == WorkerStatus.ERROR:
+                failures.append(RankFailure(m.prev_rank, st.epoch, "error", r.error or "", r.traceback))
+            elif r.status == WorkerStatus.FINISHED:
+                st.finished[m.wid] = r.return_value
+        if lost:
+            return self._on_failure(st, lost, causes, failures)
+        if failures:
+            failed = {st.members[f.rank].wid for f in failures}
+            causes = self._wait_for_dead_peer([m for m in st.members if m.wid not in failed])
+            dead = [m for m in st.members if m.wid in causes]
+            return self._on_failure(st, dead, causes, failures)
+        if len(st.finished) == len(st.members):
+            rank0 = st.members[0].wid
+            self._events.emit(EventKind.RUN_FINISHED, f"training finished at report {max(st.last_index.values(), default=0)}",
+                              epoch=st.epoch, index=max(st.last_index.values(), default=0))
+            return Finished(return_value=st.finished.get(rank0))
+        if st.finished:
+            time.sleep(self._run.poll_interval_s)
+            return st  # the rest are finishing their last step
+        spares = self._pool.ready_spares(st.members)
+        snap = ScalingSnapshot(now=time.monotonic(), group_size=len(st.members),
+                               ready_spares=len(spares), last_ready_at=self._pool.last_ready_at,
+                               waiting_since=None)
+        d = self._scaling_policy.decide(snap)
+        if isinstance(d, Resize):
+            self._events.emit(EventKind.DECISION, d.reason, decision="resize", world_size=d.world_size)
+            return Resizing(epoch=st.epoch, members=st.members, reason=d.reason, graceful=True,
+                            target_world_size=d.world_size, started_at=time.monotonic())
+        time.sleep(self._run.poll_interval_s)
+        return st
+
+    def _ingest(self, st: Running, m: WorkerHandle, r: PollResult) -> None:
+        st.last_index[m.wid] = max(st.last_index.get(m.wid, 0), r.index)
+        if not r.records:
+            return
+        self._ckpt.on_records(r.records)
+        for rec in r.records:
+            if rec.rank != 0:
+                continue
+            now = time.monotonic()
+            if self._last_rank0 is not None and rec.index > self._last_rank0[0]:
+                dt = (now - self._last_rank0[1]) / (rec.index - self._last_rank0[0])
+                self._step_time_s = 0.8 * self._step_time_s + 0.2 * max(dt, 1e-4)
+            self._last_rank0 = (rec.index, now)
+            with self._lock:
+                self._latest_metrics = rec.metrics
+            self._events.metrics({"ts": rec.ts, "index": rec.index, "epoch": rec.epoch,
+                                  "world_size": len(st.members), "metrics": rec.metrics})
+            if not st.first_step_seen:
+                st.first_step_seen = True
+                self._events.emit(EventKind.FIRST_STEP, epoch=rec.epoch, index=rec.index,
+                                  world_size=len(st.members), report_ts=rec.ts)
+
+    def _wait_for_dead_peer(self, others: List[WorkerHandle]) -> Dict[int, Optional[BaseException]]:
+        """A rank raised: was it because a peer vanished? Look for a dead peer for a while."""
+        deadline = time.monotonic() + ERROR_CLASSIFY_GRACE_S
+        while True:
+            dead = self._pool.probe(others, timeout_s=max(0.1, min(1.0, deadline - time.monotonic())))
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.2)
+
+    def _on_failure(self, st: Running, lost: List[WorkerHandle], causes: Dict[int, Optional[BaseException]],
+                    failures: List[RankFailure]) -> object:
+        """Workers were lost and/or ranks raised. A lost node makes every other error in
+        the attempt collateral (peers of a vanished rank fail their collective); only
+        without one does the attempt count as a real failure."""
+        node_lost = [m for m in lost if not _is_crash(m, causes.get(m.wid))]
+        crashed = [m for m in lost if m not in node_lost]
+        for m in lost:
+            kind = "node_lost" if m in node_lost else "crash"
+            failures.append(RankFailure(m.prev_rank, st.epoch, kind, _cause_text(causes.get(m.wid))))
+            self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} on node {m.node_id[:8]} lost ({kind})",
+                              epoch=st.epoch, rank=m.prev_rank, node_id=m.node_id, cause=kind,
+                              last_index=st.last_index.get(m.wid, 0))
+            self._pool.remove(m, kill=True)
+        kind = FailureKind.NODE_LOST if node_lost else FailureKind.ERROR
+        decision = self._failure_policy.decide(kind, self._counts)
+        reached = max(st.last_index.values(), default=st.restored_index)
+        self._events.emit(EventKind.FAILURE, f"{kind.value} in epoch {st.epoch}: " + "; ".join(
+            f"rank {f.rank} {f.kind}: {f.message.splitlines()[0] if f.message else ''}" for f in failures),
+            epoch=st.epoch, failure_kind=kind.value, decision=type(decision).__name__,
+            reason=decision.reason, reached_index=reached)
+        survivors = [m for m in st.members if m not in lost]
+        if kind is FailureKind.NODE_LOST:
+            self._counts = FailureCounts(self._counts.errors, self._counts.node_losses + 1)
+        else:
+            self._counts = FailureCounts(self._counts.errors + 1, self._counts.node_losses)
+        if isinstance(decision, Raise):
+            self._stop_members(survivors, graceful=False)
+            return Errored(TrainingFailedError(decision.reason, failures), failures)
+        return Resizing(epoch=st.epoch, members=survivors, reason=f"{kind.value}: {decision.reason}",
+                        graceful=False, target_world_size=len(survivors), started_at=time.monotonic())
+
+    # -- Resizing ------------------------------------------------------------------
+    def _step_resizing(self, st: Resizing) -> object:
+        if st.graceful:
+            outcome = self._graceful_stop(st)
+            if outcome is not None:
+                return outcome
+        else:
+            self._stop_members(st.members, graceful=False)
+        self._restarts += 1
+        latest = self._ckpt.latest()
+        reached = max(self._last_index_seen(st), latest.index if latest else 0)
+        lost_steps = reached - (latest.index if latest else 0)
+        self._events.emit(
+            EventKind.RESIZE,
+            f"resizing from {len(self._world_sizes) and self._world_sizes[-1]} workers: {st.reason}; "
+            f"restoring checkpoint {latest.index if latest else 'none'} ({lost_steps} step(s) to redo)",
+            epoch=st.epoch, reason=st.reason, graceful=st.graceful, survivors=len(st.members),
+            reached_index=reached, restore_index=latest.index if latest else 0, lost_steps=lost_steps,
+            resize_s=time.monotonic() - st.started_at,
+        )
+        return Scheduling(since=time.monotonic())
+
+    def _last_index_seen(self, st: Resizing) -> int:
+        return self._last_rank0[0] if self._last_rank0 else 0
+
+    def _graceful_stop(self, st: Resizing) -> Optional[object]:
+        """Stop every member right after the same report; None when all stopped."""
+        running = Running(epoch=st.epoch, members=st.members, started_at=st.started_at,
+                          restored_index=0, first_step_seen=True)
+        results, lost, causes = self._poll(running, st.members)
+        current = max([r.index for r in results.values()], default=0)
+        for m in st.members:
+            if m.wid in results:
+                self._ingest(running, m, results[m.wid])
+        if lost:
+            return self._on_failure(running, lost, causes, [])
+        target = self._choose_stop_index(current)
+        for _ in range(5):
+            answers = ray.get([m.actor.request_stop_at.remote(target) for m in st.members], timeout=30)
+            if all(a["ok"] for a in answers):
+                break
+            target = self._choose_stop_index(max(a["index"] for a in answers))
+        self._events.emit(EventKind.DECISION, f"stopping workers after report {target} to resize",
+                          decision="stop_at", stop_at=target)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S + max(5.0, (target - current) * self._step_time_s * 3)
+        while time.monotonic() < deadline:
+            results, lost, causes = self._poll(running, st.members)
+            for m in st.members:
+                if m.wid in results:
+                    self._ingest(running, m, results[m.wid])
+            if lost:
+                return self._on_failure(running, lost, causes, [])
+            statuses = [results[m.wid].status for m in st.members if m.wid in results]
+            if len(statuses) == len(st.members) and all(s != WorkerStatus.RUNNING for s in statuses):
+                if all(s == WorkerStatus.FINISHED for s in statuses):
+                    self._events.emit(EventKind.RUN_FINISHED, "training finished while resizing")
+                    return Finished(return_value=results[st.members[0].wid].return_value)
+                errors = [RankFailure(m.prev_rank, st.epoch, "error", results[m.wid].error or "",
+                                      results[m.wid].traceback)
+                          for m in st.members if results[m.wid].status == WorkerStatus.ERROR]
+                if errors:
+                    return self._on_failure(running, [], {}, errors)
+                self._stop_members(st.members, graceful=True)
+                return None
+            time.sleep(min(0.05, self._run.poll_interval_s))
+        self._stop_members(st.members, graceful=False)
+        return None
+
+    def _choose_stop_index(self, current: int) -> int:
+        ahead = max(2, math.ceil(STOP_AHEAD_S / max(self._step_time_s, 1e-4)))
+        target = current + ahead
+        committed = self._ckpt.committed
+        if len(committed) >= 2:
+            period = committed[-1].index - committed[-2].index
+            if period > 0:
+                boundary = committed[-1].index + period * math.ceil((target - committed[-1].index) / period)
+                if (boundary - current) * self._step_time_s <= MAX_WAIT_FOR_BOUNDARY_S:
+                    target = boundary
+        return target
+
+    def _stop_members(self, members: List[WorkerHandle], graceful: bool) -> None:
+        """Make members' train threads exit; replace any that does not in time."""
+        if not members:
+            return
+        if not graceful:
+            for m in members:
+                m.actor.abort.remote()
+        refs = {m.actor.join.remote(JOIN_TIMEOUT_S): m for m in members}
+        done, not_done = ray.wait(list(refs), num_returns=len(refs), timeout=JOIN_TIMEOUT_S + 5)
+        for ref in done:
+            try:
+                if ray.get(ref):
+                    continue
+            except RayActorError:
+                pass
+            self._replace(refs[ref], "did not stop in time")
+        for ref in not_done:
+            self._replace(refs[ref], "did not answer")
+
+    def _replace(self, m: WorkerHandle, why: str) -> None:
+        self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} {why}; replacing it",
+                          rank=m.prev_rank, node_id=m.node_id, cause="hung")
+        self._pool.remove(m, kill=True)
+
+    def _abort_all(self, reason: str) -> None:
+        st = self._state
+        members = getattr(st, "members", [])
+        self._events.emit(EventKind.DECISION, reason, decision="abort")
+        for m in members:
+            try:
+                m.actor.abort.remote()
+            except Exception:  # noqa: BLE001
+                pass
+
+    # -- outcome -------------------------------------------------------------------
+    def _outcome(self) -> Dict[str, Any]:
+        st = self._state
+        latest = self._ckpt.latest()
+        error = st.error if isinstance(st, Errored) else None
+        if error is not None:
+            self._events.emit(EventKind.RUN_FAILED, f"run failed: {str(error).splitlines()[0]}",
+                              error=type(error).__name__)
+        self._events.close()
+        return {
+            "metrics": dict(self._latest_metrics),
+            "checkpoint_rel": latest.rel if latest else None,
+            "checkpoint_index": latest.index if latest else None,
+            "error": error,
+            "world_sizes": list(self._world_sizes),
+            "return_value": st.return_value if isinstance(st, Finished) else None,
+            "restarts": self._restarts,
+        }
+
+
+def _order_by_node(members: List[WorkerHandle]) -> List[WorkerHandle]:
+    """Rank order: survivors keep their relative order (rank 0 stays rank 0 when it
+    survives); workers on one node get consecutive ranks."""
+    first_rank_on_node: Dict[str, tuple] = {}
+    for m in members:
+        key = (m.prev_rank, m.wid)
+        first_rank_on_node[m.node_id] = min(first_rank_on_node.get(m.node_id, key), key)
+    return sorted(members, key=lambda m: (first_rank_on_node[m.node_id], m.prev_rank, m.wid))
+
+
+def _local_ranks(members: List[WorkerHandle]):
+    node_ranks: Dict[str, int] = {}
+    per_node: Dict[str, List[WorkerHandle]] = {}
+    for m in members:
+        node_ranks.setdefault(m.node_id, len(node_ranks))
+        per_node.setdefault(m.node_id, []).append(m)
+    local = {m.wid: (i, len(ms)) for ms in per_node.values() for i, m in enumerate(ms)}
+    return node_ranks, local
+
+
+def _is_crash(m: WorkerHandle, cause: Optional[BaseException]) -> bool:
+    """A dead actor whose node is still alive crashed on its own (a real failure)."""
+    if isinstance(cause, ActorDiedError) and getattr(cause, "preempted", False):
+        return False
+    try:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception:  # noqa: BLE001
+        return False
+    return bool(m.node_id) and m.node_id in alive and isinstance(cause, ActorDiedError)
+
+
+def _cause_text(cause: Optional[BaseException]) -> str:
+    if cause is None:
+        return "worker stopped answering"
+    text = str(cause).strip().splitlines()
+    return text[0] if text else type(cause).__name__
+
+
+def _run_desc(run: RunConfig) -> Dict[str, Any]:
+    return {"name": run.name, "storage_path": run.storage_path,
+            "failure_config": describe(run.failure_config),
+            "checkpoint_config": describe(run.checkpoint_config)}

@@ -1,0 +1,98 @@
+"""Route Ray Train's train-function API to the raylastic session.
+
+Ray Train v2 (ray >= 2.50) dispatches ``ray.train.report``, ``get_checkpoint`` and
+``get_context`` through a process-global ``TrainFnUtils`` object that a worker installs
+with ``set_train_fn_utils``; ``ray.train.torch.prepare_model`` and
+``prepare_data_loader`` read ranks through ``ray.train.get_context()``. Installing
+:class:`RayTrainAdapter` there makes a function written for ``TorchTrainer`` run
+unchanged under ``ElasticTrainer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch.distributed as dist
+from ray.train.v2._internal.execution.train_fn_utils import TrainFnUtils, set_train_fn_utils
+from ray.train.v2.api.context import TrainContext as RayTrainContext
+
+from raylastic import session as _session
+
+
+class RayContext(RayTrainContext):
+    """Ray Train's context interface over raylastic's."""
+
+    def __init__(self, ctx: "_session.TrainContext"):
+        self._ctx = ctx
+
+    def get_experiment_name(self) -> str:
+        return self._ctx.get_experiment_name()
+
+    def get_world_size(self) -> int:
+        return self._ctx.get_world_size()
+
+    def get_world_rank(self) -> int:
+        return self._ctx.get_world_rank()
+
+    def get_local_rank(self) -> int:
+        return self._ctx.get_local_rank()
+
+    def get_local_world_size(self) -> int:
+        return self._ctx.get_local_world_size()
+
+    def get_node_rank(self) -> int:
+        return self._ctx.get_node_rank()
+
+    def get_storage(self):
+        return None
+
+    def __getattr__(self, name: str) -> Any:  # raylastic extras (membership epoch, ...)
+        return getattr(self._ctx, name)
+
+
+class RayTrainAdapter(TrainFnUtils):
+    def __init__(self, sess: "_session.Session"):
+        self._sess = sess
+        self._context = RayContext(sess.context)
+
+    def report(self, metrics: Dict[str, Any], checkpoint=None, checkpoint_dir_name=None,
+               checkpoint_upload_mode=None, delete_local_checkpoint_after_upload=None,
+               checkpoint_upload_fn=None, validation=False) -> None:
+        self._sess.report(metrics, checkpoint)
+
+    def get_checkpoint(self):
+        return self._sess.get_checkpoint()
+
+    def get_all_reported_checkpoints(self, consistency_mode=None, timeout_s=None) -> List[Any]:
+        return []
+
+    def get_dataset_shard(self, dataset_info):
+        raise NotImplementedError(
+            "ray.train.get_dataset_shard is not supported by ElasticTrainer: Ray Data's "
+            "streaming split cannot resume its position after a resize. Use "
+            "raylastic.data.ElasticDataLoader over a map-style dataset instead."
+        )
+
+    def get_context(self) -> RayContext:
+        return self._context
+
+    def get_preemption_info(self) -> Optional[Any]:
+        return None
+
+    def is_distributed(self) -> bool:
+        return True
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast_from_rank_zero(self, data: Any) -> Any:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return data
+        box = [data]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def install(sess: "_session.Session") -> None:
+    set_train_fn_utils(RayTrainAdapter(sess))

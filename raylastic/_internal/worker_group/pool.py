@@ -1,0 +1,133 @@
+"""The pool of worker actors: asked for, coming up, ready, in a group, or gone.
+
+The pool always keeps ``max_workers`` actors alive or pending. A pending actor is Ray's
+own demand signal: it is placed the moment a node with the resources appears (and an
+autoscaler sees it as demand), so the controller learns about new capacity by an actor
+becoming ready rather than by polling the node list.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import ray
+from ray.exceptions import RayActorError
+
+from raylastic._internal.worker_group.worker import TrainWorker
+
+logger = logging.getLogger("raylastic")
+
+
+@dataclass
+class WorkerHandle:
+    wid: int
+    actor: Any
+    info_ref: Any
+    created_at: float
+    info: Optional[Dict[str, Any]] = None
+    ready_at: Optional[float] = None
+    prev_rank: int = 1 << 30  # rank in the last group (new workers sort last)
+
+    @property
+    def node_id(self) -> str:
+        return (self.info or {}).get("node_id", "")
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None
+
+
+class WorkerPool:
+    def __init__(self, *, target: int, resources: Dict[str, float], use_gpu: bool, storage,
+                 run_rel: str, run_name: str):
+        self._target = target
+        self._resources = dict(resources)
+        self._use_gpu = use_gpu
+        self._init_args = (storage, run_rel, run_name)
+        self._ids = itertools.count()
+        self.workers: Dict[int, WorkerHandle] = {}
+        self.last_ready_at: Optional[float] = None
+
+    def _actor_options(self) -> Dict[str, Any]:
+        res = dict(self._resources)
+        opts: Dict[str, Any] = {
+            "num_cpus": res.pop("CPU", 0),
+            "num_gpus": res.pop("GPU", 0),
+            "max_concurrency": 8,  # poll/abort/stop answer while the train thread runs
+            "max_restarts": 0,  # a lost worker is replaced by the controller, not by Ray
+            "scheduling_strategy": "SPREAD",
+        }
+        if "memory" in res:
+            opts["memory"] = res.pop("memory")
+        res.pop("object_store_memory", None)
+        if res:
+            opts["resources"] = res
+        return opts
+
+    def fill(self) -> int:
+        """Ask for actors until ``target`` are alive or pending; returns how many new."""
+        n = 0
+        cls = ray.remote(TrainWorker).options(**self._actor_options())
+        while len(self.workers) < self._target:
+            actor = cls.remote(*self._init_args)
+            wid = next(self._ids)
+            self.workers[wid] = WorkerHandle(wid, actor, actor.info.remote(), time.monotonic())
+            n += 1
+        return n
+
+    def refresh(self) -> List[WorkerHandle]:
+        """Collect actors that became ready; drop ones that died before that."""
+        pending = {h.info_ref: h for h in self.workers.values() if not h.ready}
+        if not pending:
+            return []
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        newly = []
+        for ref in done:
+            h = pending[ref]
+            try:
+                h.info = ray.get(ref)
+            except RayActorError as e:
+                logger.info("worker %d died before it was ready: %s", h.wid, e)
+                self.workers.pop(h.wid, None)
+                continue
+            h.ready_at = time.monotonic()
+            self.last_ready_at = h.ready_at
+            newly.append(h)
+        return newly
+
+    def ready_spares(self, members: List[WorkerHandle]) -> List[WorkerHandle]:
+        in_group = {m.wid for m in members}
+        return [h for h in self.workers.values() if h.ready and h.wid not in in_group]
+
+    def remove(self, handle: WorkerHandle, kill: bool = False) -> None:
+        self.workers.pop(handle.wid, None)
+        if kill:
+            try:
+                ray.kill(handle.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    def probe(self, handles: List[WorkerHandle], timeout_s: float) -> Dict[int, Optional[BaseException]]:
+        """Workers that are dead or do not answer within the timeout: wid -> cause."""
+        if not handles:
+            return {}
+        refs = {h.actor.info.remote(): h for h in handles}
+        dead: Dict[int, Optional[BaseException]] = {}
+        done, not_done = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError as e:  # ActorDiedError / ActorUnavailableError
+                dead[refs[ref].wid] = e
+        for ref in not_done:
+            dead[refs[ref].wid] = None
+        return dead
+
+    def shutdown(self) -> None:
+        for h in list(self.workers.values()):
+            self.remove(h, kill=True)
+

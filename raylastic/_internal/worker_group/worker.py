@@ -1,0 +1,180 @@
+"""The worker actor: one per training slot, kept alive across membership changes.
+
+A worker survives every resize its node survives: the controller only tears down the
+torch process group, assigns a new rank, and re-enters the train function in a new
+thread of the same process. Imports, CUDA context and page cache stay warm.
+
+The train function runs in its own thread; the actor's other threads answer the
+controller (poll, stop, abort) while it trains.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import ray
+
+from raylastic import session as _session
+from raylastic._internal import ray_train_compat
+from raylastic._internal.distributed import process_group
+from raylastic.session import GroupSpec, ReportRecord, RestoreInfo, Session, StopTraining
+
+
+class WorkerStatus:
+    IDLE = "idle"
+    RUNNING = "running"
+    FINISHED = "finished"  # train function returned
+    STOPPED = "stopped"  # unwound for a resize (StopTraining) or aborted
+    ERROR = "error"  # train function raised
+
+
+@dataclass
+class PollResult:
+    status: str
+    epoch: int
+    records: List[ReportRecord] = field(default_factory=list)
+    error: Optional[str] = None
+    traceback: str = ""
+    index: int = 0
+    return_value: Any = None
+
+
+class TrainWorker:
+    """Ray actor body (wrapped with ``ray.remote`` by the worker group)."""
+
+    def __init__(self, storage, run_rel: str, run_name: str):
+        import torch  # noqa: F401 - pay the import once per process, not per attempt
+
+        self._storage = storage
+        self._run_rel = run_rel
+        self._run_name = run_name
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._session: Optional[Session] = None
+        self._status = WorkerStatus.IDLE
+        self._error: Optional[str] = None
+        self._traceback = ""
+        self._return_value: Any = None
+        self._epoch = -1
+
+    # -- identity ------------------------------------------------------------------
+    def info(self) -> Dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        return {
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "actor_id": ctx.get_actor_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    # -- process group -------------------------------------------------------------
+    def host_store(self, world_size: int, timeout_s: float) -> Dict[str, Any]:
+        process_group.destroy_group()
+        ip = ray.util.get_node_ip_address()
+        port = process_group.host_store(ip, world_size, timeout_s)
+        return {"addr": ip, "port": port}
+
+    def setup_group(self, spec: GroupSpec) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("setup_group while the train function is still running")
+        process_group.init_group(
+            epoch=spec.epoch, rank=spec.rank, world_size=spec.world_size,
+            master_addr=spec.master_addr, master_port=spec.master_port, backend=spec.backend,
+            timeout_s=spec.timeout_s, local_rank=spec.local_rank,
+            local_world_size=spec.local_world_size,
+        )
+
+    def teardown_group(self) -> None:
+        process_group.destroy_group()
+        process_group.release_store()
+
+    # -- training ------------------------------------------------------------------
+    def start(self, train_func: Callable, config: Optional[Dict[str, Any]], spec: GroupSpec,
+              restore: RestoreInfo) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("start while the train function is still running")
+        sess = Session(spec=spec, storage=self._storage, run_rel=self._run_rel,
+                       run_name=self._run_name, restore=restore)
+        with self._lock:
+            self._session = sess
+            self._status = WorkerStatus.RUNNING
+            self._error, self._traceback, self._return_value = None, "", None
+            self._epoch = spec.epoch
+        _session._set_session(sess)
+        ray_train_compat.install(sess)
+        self._thread = threading.Thread(
+            target=self._run, args=(train_func, config, sess), name=f"raylastic-train-e{spec.epoch}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _run(self, train_func: Callable, config: Optional[Dict[str, Any]], sess: Session) -> None:
+        status, error, tb, value = WorkerStatus.FINISHED, None, "", None
+        try:
+            value = _call(train_func, config)
+        except StopTraining:
+            status = WorkerStatus.STOPPED
+        except BaseException as e:  # noqa: BLE001 - every failure goes to the controller
+            if sess.aborted:
+                status = WorkerStatus.STOPPED  # a peer vanished mid-collective: expected
+            else:
+                status, error, tb = WorkerStatus.ERROR, f"{type(e).__name__}: {e}", traceback.format_exc()
+        with self._lock:
+            if self._session is sess:
+                self._status, self._error, self._traceback = status, error, tb
+                self._return_value = value
+
+    def poll(self) -> PollResult:
+        with self._lock:
+            sess = self._session
+            records = sess.drain() if sess is not None else []
+            return PollResult(
+                status=self._status, epoch=self._epoch, records=records, error=self._error,
+                traceback=self._traceback, index=sess.current_index() if sess else 0,
+                return_value=self._return_value if self._status == WorkerStatus.FINISHED else None,
+            )
+
+    def request_stop_at(self, index: int) -> Dict[str, Any]:
+        sess = self._session
+        if sess is None:
+            return {"ok": True, "index": 0}
+        ok = sess.request_stop_at(index)
+        return {"ok": ok, "index": sess.current_index()}
+
+    def abort(self) -> None:
+        """Make the train function unwind at its next ``report()``.
+
+        A rank blocked in a collective with a dead peer unwinds when gloo/NCCL notices
+        the broken connection; ``join`` bounds how long the controller waits for that.
+        """
+        if self._session is not None:
+            self._session.abort()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the train thread to exit; True if it did."""
+        deadline = time.monotonic() + timeout_s
+        thread = self._thread
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                return False
+        return True
+
+
+def _call(train_func: Callable, config: Optional[Dict[str, Any]]) -> Any:
+    try:
+        n_params = len(inspect.signature(train_func).parameters)
+    except (TypeError, ValueError):
+        n_params = 1
+    if n_params == 0:
+        return train_func()
+    return train_func(config if config is not None else {})

@@ -1,0 +1,162 @@
+"""Commit, list, restore and retire checkpoints of one run (controller side).
+
+A checkpoint directory ``checkpoints/checkpoint_<index>-e<epoch>/`` receives the files
+of every rank that passed a checkpoint to ``report()`` for that index. It becomes a
+checkpoint only when its manifest is written, and the manifest is written only after
+every rank of the group has reported that index (so every rank's shard is in place).
+Readers ignore directories without a valid manifest, and a directory is never
+rewritten: a retry that reaches the same index writes under a new epoch suffix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+from raylastic.events import EventKind, EventLog
+from raylastic.session import ReportRecord
+
+logger = logging.getLogger("raylastic")
+
+MANIFEST = ".raylastic_manifest.json"
+SCHEMA_VERSION = 1
+_DIR_RE = re.compile(r"^checkpoint_(\d+)-e(\d+)$")
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    rel: str  # path relative to the storage root
+    index: int
+    epoch: int
+    world_size: int
+    ts: float
+    files: List[Any] = field(default_factory=list)
+    metrics: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(int(f[1]) for f in self.files)
+
+
+class CheckpointManager:
+    def __init__(self, storage, run_rel: str, num_to_keep: Optional[int], events: EventLog):
+        self._storage = storage
+        self._run_rel = run_rel
+        self._dir = f"{run_rel}/checkpoints"
+        self._num_to_keep = num_to_keep
+        self._events = events
+        self._pending: Dict[int, Dict[int, ReportRecord]] = {}
+        self._epoch = -1
+        self._world_size = 0
+        self._committed: List[CommittedCheckpoint] = self.scan()
+
+    # -- listing / restore ---------------------------------------------------------
+    def scan(self) -> List[CommittedCheckpoint]:
+        """Committed checkpoints in storage, oldest first; corrupt ones skipped."""
+        found = []
+        for name in self._storage.list_dir(self._dir):
+            m = _DIR_RE.match(name)
+            if not m:
+                continue
+            ckpt = self._read_manifest(f"{self._dir}/{name}")
+            if ckpt is not None:
+                found.append(ckpt)
+        found.sort(key=lambda c: (c.index, c.epoch))
+        return found
+
+    def _read_manifest(self, rel: str) -> Optional[CommittedCheckpoint]:
+        try:
+            raw = self._storage.read_bytes(f"{rel}/{MANIFEST}")
+        except Exception:  # noqa: BLE001 - no manifest: not committed
+            return None
+        try:
+            data = json.loads(raw)
+            if data.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(f"schema_version {data.get('schema_version')}")
+            return CommittedCheckpoint(
+                rel=rel, index=int(data["index"]), epoch=int(data["epoch"]),
+                world_size=int(data["world_size"]), ts=float(data["ts"]),
+                files=[tuple(f) for f in data.get("files", [])], metrics=data.get("metrics", {}),
+            )
+        except Exception as e:  # noqa: BLE001
+            logger.warning("ignoring checkpoint %s: corrupt manifest (%s)", rel, e)
+            return None
+
+    def latest(self) -> Optional[CommittedCheckpoint]:
+        return self._committed[-1] if self._committed else None
+
+    @property
+    def committed(self) -> List[CommittedCheckpoint]:
+        return list(self._committed)
+
+    # -- commit --------------------------------------------------------------------
+    def begin_epoch(self, epoch: int, world_size: int) -> None:
+        """A new group forms: reports of the old epoch can no longer complete."""
+        self._pending.clear()
+        self._epoch = epoch
+        self._world_size = world_size
+        self.delete_uncommitted()
+
+    def on_records(self, records: List[ReportRecord]) -> List[CommittedCheckpoint]:
+        committed = []
+        for rec in records:
+            if rec.epoch != self._epoch:
+                continue
+            by_rank = self._pending.setdefault(rec.index, {})
+            by_rank[rec.rank] = rec
+            if len(by_rank) == self._world_size:
+                del self._pending[rec.index]
+                ckpt = self._commit(rec.index, by_rank)
+                if ckpt is not None:
+                    committed.append(ckpt)
+        return committed
+
+    def _commit(self, index: int, by_rank: Dict[int, ReportRecord]) -> Optional[CommittedCheckpoint]:
+        with_ckpt = [r for r in by_rank.values() if r.checkpoint_rel]
+        if not with_ckpt:
+            return None
+        rel = with_ckpt[0].checkpoint_rel
+        files = sorted({tuple(f) for r in with_ckpt for f in r.files})
+        rank0 = by_rank.get(0) or with_ckpt[0]
+        ckpt = CommittedCheckpoint(
+            rel=rel, index=index, epoch=self._epoch, world_size=self._world_size,
+            ts=time.time(), files=[list(f) for f in files], metrics=rank0.metrics,
+        )
+        manifest = {"schema_version": SCHEMA_VERSION, **asdict(ckpt)}
+        manifest.pop("rel")
+        manifest["ranks_with_files"] = sorted(r.rank for r in with_ckpt)
+        self._storage.write_bytes(f"{rel}/{MANIFEST}", json.dumps(manifest, default=str).encode())
+        self._committed.append(ckpt)
+        self._events.emit(
+            EventKind.CHECKPOINT_COMMITTED, index=index, epoch=self._epoch, path=rel,
+            bytes=ckpt.num_bytes, world_size=self._world_size,
+            upload_s=max(r.upload_s for r in with_ckpt),
+        )
+        self._retain()
+        return ckpt
+
+    def _retain(self) -> None:
+        if self._num_to_keep is None:
+            return
+        while len(self._committed) > self._num_to_keep:
+            old = self._committed.pop(0)
+            # Manifest first: a half-deleted directory must never look committed.
+            self._storage.delete_file(f"{old.rel}/{MANIFEST}")
+            self._storage.delete_dir(old.rel)
+            self._events.emit(EventKind.CHECKPOINT_DELETED, index=old.index, path=old.rel,
+                              reason=f"num_to_keep={self._num_to_keep}")
+
+    def delete_uncommitted(self) -> None:
+        """Remove directories no group can commit any more (writers are all stopped)."""
+        committed = {c.rel for c in self._committed}
+        for name in self._storage.list_dir(self._dir):
+            rel = f"{self._dir}/{name}"
+            if not _DIR_RE.match(name) or rel in committed:
+                continue
+            if self._storage.exists(f"{rel}/{MANIFEST}"):
+                continue  # a corrupt manifest: keep the files for a human to look at
+            self._storage.delete_dir(rel)

@@ -1,0 +1,230 @@
+"""User-facing configuration: frozen, keyword-only dataclasses validated at construction.
+
+Every check here runs before any Ray actor or placement is requested, so a typo costs
+a traceback, not a cluster. Messages name the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional
+
+from raylastic.errors import ConfigError
+
+_STANDARD_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingConfig:
+    """How many workers to run and what each one needs.
+
+    Training starts as soon as ``min_workers`` can be placed and grows toward
+    ``max_workers`` as capacity appears; losing workers shrinks the group down to
+    ``min_workers`` before training pauses to wait for capacity.
+
+    Args:
+        min_workers: fewest workers training may run with (>= 1).
+        max_workers: most workers to run; defaults to ``min_workers`` (a fixed size
+            that still survives node loss by waiting for replacements).
+        resources_per_worker: Ray resources each worker actor reserves. Defaults to
+            one CPU (or one GPU and one CPU with ``use_gpu``).
+        use_gpu: train with NCCL on one GPU per worker instead of gloo on CPU.
+        max_wait_s: how long fewer than ``min_workers`` may be placeable before
+            ``fit()`` fails with ``InsufficientCapacityError``. ``None`` waits
+            forever (logging every 30 s).
+        validate_resources: reject resource names that no node offers at ``fit()``
+            time. Turn off on an autoscaling cluster that starts without the nodes
+            that carry a custom resource.
+    """
+
+    min_workers: int = 1
+    max_workers: Optional[int] = None
+    resources_per_worker: Optional[Mapping[str, float]] = None
+    use_gpu: bool = False
+    max_wait_s: Optional[float] = None
+    validate_resources: bool = True
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.min_workers, int) and self.min_workers >= 1,
+            f"ScalingConfig.min_workers must be an int >= 1, got {self.min_workers!r}. "
+            "Fix: pass min_workers=1 or more.",
+        )
+        if self.max_workers is None:
+            object.__setattr__(self, "max_workers", self.min_workers)
+        _check(
+            isinstance(self.max_workers, int) and self.max_workers >= 1,
+            f"ScalingConfig.max_workers must be an int >= 1, got {self.max_workers!r}.",
+        )
+        _check(
+            self.min_workers <= self.max_workers,
+            f"ScalingConfig: min_workers ({self.min_workers}) > max_workers "
+            f"({self.max_workers}). Fix: raise max_workers or lower min_workers.",
+        )
+        if self.max_wait_s is not None:
+            _check(
+                isinstance(self.max_wait_s, (int, float)) and self.max_wait_s > 0,
+                f"ScalingConfig.max_wait_s must be > 0 seconds or None (wait forever), "
+                f"got {self.max_wait_s!r}.",
+            )
+        if self.resources_per_worker is not None:
+            _check(
+                isinstance(self.resources_per_worker, Mapping),
+                "ScalingConfig.resources_per_worker must be a dict like {'CPU': 1}, "
+                f"got {type(self.resources_per_worker).__name__}.",
+            )
+            for name, amount in self.resources_per_worker.items():
+                _check(
+                    isinstance(name, str) and name != "",
+                    f"ScalingConfig.resources_per_worker has a bad key {name!r}: "
+                    "resource names are non-empty strings.",
+                )
+                _check(
+                    isinstance(amount, (int, float))
+                    and not isinstance(amount, bool)
+                    and amount >= 0
+                    and math.isfinite(amount),
+                    f"ScalingConfig.resources_per_worker[{name!r}] must be a number "
+                    f">= 0, got {amount!r}.",
+                )
+            gpus = self.resources_per_worker.get("GPU", 0)
+            _check(
+                not (gpus and not self.use_gpu),
+                "ScalingConfig.resources_per_worker asks for GPU but use_gpu=False. "
+                "Fix: pass use_gpu=True (NCCL) or drop 'GPU' from resources_per_worker.",
+            )
+
+    def worker_resources(self) -> Dict[str, float]:
+        """The Ray resources one worker actor reserves."""
+        res = dict(self.resources_per_worker or {})
+        if not res:
+            res = {"CPU": 1.0}
+        if self.use_gpu and not res.get("GPU"):
+            res["GPU"] = 1.0
+        return res
+
+    def custom_resources(self) -> Dict[str, float]:
+        return {k: v for k, v in self.worker_resources().items() if k not in _STANDARD_RESOURCES}
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.use_gpu else "gloo"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureConfig:
+    """Retry budgets, counted separately because they mean different things.
+
+    Args:
+        max_failures: how many real failures (an exception raised by the train
+            function, a crashed worker process on a healthy node) to recover from
+            before ``fit()`` fails. ``-1`` means unlimited. Default 0: user bugs
+            surface at once.
+        max_node_failures: how many node losses / preemptions to recover from.
+            ``None`` (default) means unlimited: losing spot nodes is the normal case.
+    """
+
+    max_failures: int = 0
+    max_node_failures: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.max_failures, int) and self.max_failures >= -1,
+            f"FailureConfig.max_failures must be an int >= -1 (-1 = unlimited), got "
+            f"{self.max_failures!r}.",
+        )
+        if self.max_node_failures is not None:
+            _check(
+                isinstance(self.max_node_failures, int) and self.max_node_failures >= 0,
+                "FailureConfig.max_node_failures must be an int >= 0 or None "
+                f"(unlimited), got {self.max_node_failures!r}.",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """What to keep of the checkpoints the train function reports.
+
+    Args:
+        num_to_keep: committed checkpoints to keep (oldest deleted first). ``None``
+            keeps all. The newest committed checkpoint is never deleted, and an older
+            one is only deleted after a newer one is committed, so at least two exist
+            while a new one is being written.
+    """
+
+    num_to_keep: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.num_to_keep is not None:
+            _check(
+                isinstance(self.num_to_keep, int) and self.num_to_keep >= 1,
+                f"CheckpointConfig.num_to_keep must be an int >= 1 or None (keep all), "
+                f"got {self.num_to_keep!r}.",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Where a run lives and how it reacts to failures.
+
+    Args:
+        name: the run's directory name under ``storage_path``. Calling ``fit()``
+            again with the same name and storage path resumes from the run's last
+            committed checkpoint. Defaults to a timestamped name.
+        storage_path: local path or URI (``s3://``, ``abfs://``, ``gs://``, any
+            ``pyarrow.fs`` URI) under which the run directory is written. On a
+            multi-node cluster a local path must be shared by every node.
+        poll_interval_s: how often the controller collects metrics from workers.
+            Training never waits for it.
+        verbose: print progress and resize messages to stdout.
+    """
+
+    name: Optional[str] = None
+    storage_path: str = "~/raylastic_results"
+    failure_config: FailureConfig = field(default_factory=FailureConfig)
+    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
+    poll_interval_s: float = 0.1
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        if self.name is not None:
+            _check(
+                isinstance(self.name, str)
+                and self.name.strip() != ""
+                and "/" not in self.name
+                and self.name not in (".", ".."),
+                f"RunConfig.name must be a non-empty string without '/', got {self.name!r}.",
+            )
+        _check(
+            isinstance(self.storage_path, (str, os.PathLike)) and str(self.storage_path) != "",
+            f"RunConfig.storage_path must be a path or URI string, got {self.storage_path!r}.",
+        )
+        object.__setattr__(self, "storage_path", os.fspath(self.storage_path))
+        _check(
+            isinstance(self.failure_config, FailureConfig),
+            "RunConfig.failure_config must be a raylastic.FailureConfig.",
+        )
+        _check(
+            isinstance(self.checkpoint_config, CheckpointConfig),
+            "RunConfig.checkpoint_config must be a raylastic.CheckpointConfig.",
+        )
+        _check(
+            isinstance(self.poll_interval_s, (int, float)) and 0 < self.poll_interval_s <= 10,
+            f"RunConfig.poll_interval_s must be in (0, 10] seconds, got {self.poll_interval_s!r}.",
+        )
+
+
+def describe(obj: Any) -> Dict[str, Any]:
+    """A JSON-friendly view of a config for the event log (no secrets live in configs)."""
+    from dataclasses import asdict, is_dataclass
+
+    if is_dataclass(obj):
+        return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in asdict(obj).items()}
+    return {"value": repr(obj)}

@@ -1,0 +1,177 @@
+"""The run's structured event log: one JSON object per line, wall-clock stamped.
+
+Every state transition, decision (with its reason), resize, failure and checkpoint
+goes here. Reports (recovery times, lost steps, cost, goodput) are computed from this
+file alone, so it is written as things happen, not reconstructed afterwards.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+logger = logging.getLogger("raylastic")
+
+EVENTS_FILE = "events.jsonl"
+METRICS_FILE = "metrics.jsonl"
+
+
+class EventKind(str, enum.Enum):
+    RUN_STARTED = "run_started"
+    STATE = "state"  # controller state transition
+    DECISION = "decision"  # a policy decision with its reason
+    CAPACITY_WAIT = "capacity_wait"  # fewer than min_workers placeable
+    WORKER_READY = "worker_ready"
+    WORKER_LOST = "worker_lost"  # actor died (node loss, preemption, crash)
+    GROUP_FORMED = "group_formed"  # new membership epoch, ranks assigned
+    TRAINING_STARTED = "training_started"  # train function entered on every rank
+    FIRST_STEP = "first_step"  # first report of an epoch received
+    FAILURE = "failure"  # a rank raised / crashed
+    RESIZE = "resize"
+    CHECKPOINT_COMMITTED = "checkpoint_committed"
+    CHECKPOINT_DELETED = "checkpoint_deleted"
+    CHECKPOINT_RESTORED = "checkpoint_restored"
+    RUN_FINISHED = "run_finished"
+    RUN_FAILED = "run_failed"
+
+
+class JsonlWriter:
+    """Appends JSON lines under a run directory on any ``Storage``.
+
+    Local storage appends and flushes every line (a crash loses at most a partial
+    last line, which readers skip). Object stores cannot append, so the whole file is
+    rewritten at most every ``sync_interval_s`` and on ``close()``.
+    """
+
+    def __init__(self, storage, rel: str, sync_interval_s: float = 5.0):
+        self._storage = storage
+        self._rel = rel
+        self._lock = threading.Lock()
+        self._lines: List[str] = []
+        self._sync_interval_s = sync_interval_s
+        self._last_sync = 0.0
+        self._dirty = False
+        self._fh = None
+        if storage.is_local:
+            path = storage.path(rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._fh = open(path, "a", encoding="utf-8")
+        else:
+            try:
+                existing = storage.read_bytes(rel).decode("utf-8")
+                self._lines = [ln for ln in existing.splitlines() if ln.strip()]
+            except Exception:  # noqa: BLE001 - a new run has no file yet
+                self._lines = []
+
+    def write(self, record: Dict[str, Any]) -> None:
+        line = json.dumps(record, default=_json_default, sort_keys=False)
+        with self._lock:
+            if self._fh is not None:
+                self._fh.write(line + "\n")
+                self._fh.flush()
+                return
+            self._lines.append(line)
+            self._dirty = True
+            if time.monotonic() - self._last_sync >= self._sync_interval_s:
+                self._sync_locked()
+
+    def _sync_locked(self) -> None:
+        if not self._dirty:
+            return
+        try:
+            self._storage.write_bytes(self._rel, ("\n".join(self._lines) + "\n").encode())
+            self._dirty = False
+        except Exception as e:  # noqa: BLE001 - logging must never kill training
+            logger.warning("could not sync %s: %s", self._rel, e)
+        self._last_sync = time.monotonic()
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._fh is None:
+                self._sync_locked()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+            else:
+                self._sync_locked()
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if hasattr(obj, "item"):
+        try:
+            return obj.item()
+        except Exception:  # noqa: BLE001
+            pass
+    return repr(obj)
+
+
+class EventLog:
+    """Writes events for one run; also mirrors a human line to the logger."""
+
+    def __init__(self, storage, run_rel: str, verbose: bool = True):
+        self._writer = JsonlWriter(storage, f"{run_rel}/{EVENTS_FILE}")
+        self._metrics = JsonlWriter(storage, f"{run_rel}/{METRICS_FILE}")
+        self._verbose = verbose
+
+    def emit(self, kind: EventKind, message: str = "", **fields: Any) -> Dict[str, Any]:
+        record = {"ts": time.time(), "kind": kind.value, "message": message, **fields}
+        self._writer.write(record)
+        if message:
+            logger.info("%s", message)
+            if self._verbose:
+                print(f"[raylastic] {message}", flush=True)
+        return record
+
+    def metrics(self, record: Dict[str, Any]) -> None:
+        self._metrics.write(record)
+
+    def flush(self) -> None:
+        self._writer.flush()
+        self._metrics.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+        self._metrics.close()
+
+
+def read_jsonl(text: str, source: str = "") -> Iterator[Dict[str, Any]]:
+    """Parse JSON lines, skipping a truncated last line (a run that crashed mid-write)."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                logger.warning("skipping truncated last line %d of %s", i + 1, source or "log")
+                continue
+            raise ValueError(f"{source or 'log'} line {i + 1} is not valid JSON: {line[:80]!r}")
+
+
+def load_events(path: str) -> List[Dict[str, Any]]:
+    """Events of a run directory on local disk (tests, tools)."""
+    p = os.path.join(os.path.expanduser(path), EVENTS_FILE)
+    if not os.path.exists(p):
+        return []
+    with open(p, encoding="utf-8") as fh:
+        return list(read_jsonl(fh.read(), p))
+
+
+def filter_events(events: List[Dict[str, Any]], kind: EventKind) -> List[Dict[str, Any]]:
+    return [e for e in events if e.get("kind") == kind.value]
+
+
+def last(events: List[Dict[str, Any]], kind: EventKind) -> Optional[Dict[str, Any]]:
+    found = filter_events(events, kind)
+    return found[-1] if found else None

@@ -1,0 +1,405 @@
+"""Azure Table plumbing shared by the rendezvous backend, the store and the cleanup command.
+
+- ``parse_endpoint``: ``--rdzv-endpoint`` -> ``TableEndpoint`` (or an error naming the fix).
+- ``resolve_credential``: the documented credential order, from an explicit environment mapping.
+- ``TableOps``: one ``TableClient`` with bounded retries; Azure exceptions become
+  ``RendezvousConnectionError`` (cause and fix in the message, secrets redacted).
+- ``pack_chunks`` / ``unpack_chunks``: a byte string spread over 64 KiB binary properties.
+
+This is the only module of the package that reads environment variables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import os
+import random
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, TypeVar
+from urllib.parse import urlsplit
+
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_TABLE = "torchrendezvous"
+# Azure Tables: a binary property holds at most 64 KiB, an entity at most 1 MiB (keys and names
+# included), so 15 full chunks (960 KiB) leave room for the bookkeeping properties.
+CHUNK_BYTES = 64 * 1024
+MAX_CHUNKS = 15
+ENV_CONNECTION_STRING = "AZURE_STORAGE_CONNECTION_STRING"
+ENV_ACCOUNT_KEY = "AZURE_STORAGE_KEY"
+ENV_SAS_TOKEN = "AZURE_STORAGE_SAS_TOKEN"
+_TABLE_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]{2,62}$")
+_ACCOUNT_RE = re.compile(r"^[a-z0-9]{3,24}$")
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_ENDPOINT_HELP = (
+    "pass --rdzv-endpoint=https://<account>.table.core.windows.net[/<table>] (or just <account>); "
+    "for Azurite: --rdzv-endpoint=http://127.0.0.1:10002/devstoreaccount1"
+)
+CREDENTIAL_HELP = (
+    f"set {ENV_CONNECTION_STRING}, or {ENV_ACCOUNT_KEY} (the account key), or {ENV_SAS_TOKEN} "
+    "(a SAS with table read/add/update/delete/query), or sign in for DefaultAzureCredential "
+    "(managed identity, workload identity, `az login`) with the 'Storage Table Data Contributor' role"
+)
+
+
+@dataclass(frozen=True)
+class TableEndpoint:
+    """Where the rendezvous table lives: ``account_url`` (no table) plus ``table``."""
+
+    account_url: str
+    account: Optional[str]
+    table: str
+
+    @property
+    def is_https(self) -> bool:
+        return self.account_url.startswith("https://")
+
+
+def _is_local_host(host: str) -> bool:
+    if host in ("localhost", "host.docker.internal"):
+        return True
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def parse_endpoint(endpoint: str, table: Optional[str] = None) -> TableEndpoint:
+    """Parse ``--rdzv-endpoint``; ``table`` (from ``--rdzv-conf table=...``) wins over the URL's.
+
+    Accepted: ``https://<account>.table.<cloud suffix>[/<table>]``, a bare ``<account>[/<table>]``,
+    and path-style emulator URLs ``http://<ip or localhost>:<port>/<account>[/<table>]``.
+    """
+    raw = (endpoint or "").strip()
+    if not raw:
+        raise ValueError(f"the azure-table rendezvous needs an endpoint: {_ENDPOINT_HELP}")
+    if "://" not in raw:
+        account, _, url_table = raw.partition("/")
+        if not _ACCOUNT_RE.match(account):
+            raise ValueError(
+                f"--rdzv-endpoint={raw!r} is not an Azure Table URL or storage account name "
+                f"(host:port endpoints belong to --rdzv-backend=c10d); {_ENDPOINT_HELP}"
+            )
+        return _finish(f"https://{account}.table.core.windows.net", account, url_table, table, raw)
+    parts = urlsplit(raw)
+    if parts.query or parts.fragment:
+        raise ValueError(
+            "--rdzv-endpoint must not carry a query string: a SAS token on the command line is "
+            f"logged by torchrun and visible in `ps`; {CREDENTIAL_HELP}"
+        )
+    host = (parts.hostname or "").lower()
+    if parts.scheme not in ("http", "https") or not host:
+        raise ValueError(f"--rdzv-endpoint={raw!r} is not an http(s) URL; {_ENDPOINT_HELP}")
+    segments = [s for s in parts.path.split("/") if s]
+    labels = host.split(".")
+    if _is_local_host(host):
+        if not segments:
+            raise ValueError(
+                f"--rdzv-endpoint={raw!r}: an emulator URL names the account in its path, "
+                f"e.g. http://127.0.0.1:10002/devstoreaccount1"
+            )
+        account, rest = segments[0], segments[1:]
+        base = f"{parts.scheme}://{parts.netloc}/{account}"
+    elif len(labels) > 2 and labels[1] == "table":
+        account, rest = labels[0], segments
+        base = f"{parts.scheme}://{parts.netloc}"
+    elif len(labels) > 2 and labels[1] in ("blob", "dfs", "queue", "file"):
+        raise ValueError(
+            f"--rdzv-endpoint={raw!r} is the {labels[1]} service of account {labels[0]!r}; the "
+            f"rendezvous uses its table service: https://{labels[0]}.table.core.windows.net"
+        )
+    else:
+        raise ValueError(f"--rdzv-endpoint={raw!r} is not an Azure Table endpoint; {_ENDPOINT_HELP}")
+    if len(rest) > 1:
+        raise ValueError(f"--rdzv-endpoint={raw!r}: expected at most one path segment (the table name)")
+    return _finish(base, account, rest[0] if rest else "", table, raw)
+
+
+def _finish(base: str, account: str, url_table: str, table: Optional[str], raw: str) -> TableEndpoint:
+    name = table or url_table or DEFAULT_TABLE
+    if not _TABLE_RE.match(name):
+        raise ValueError(
+            f"table name {name!r} (from {raw!r}) is invalid: Azure table names are 3-63 letters "
+            f"and digits starting with a letter, e.g. {DEFAULT_TABLE}"
+        )
+    return TableEndpoint(account_url=base, account=account, table=name)
+
+
+# -- credentials ---------------------------------------------------------------------------------
+def _parse_connection_string(conn: str) -> dict:
+    fields = {}
+    for part in conn.split(";"):
+        key, sep, value = part.partition("=")
+        if sep:
+            fields[key.strip().lower()] = value.strip()
+    return fields
+
+
+def resolve_credential(endpoint: TableEndpoint, environ: Optional[Mapping[str, str]] = None):
+    """Return ``(credential, source)`` in the documented order; ``source`` names no secret.
+
+    1. ``AZURE_STORAGE_CONNECTION_STRING`` (its AccountKey or SharedAccessSignature),
+    2. ``AZURE_STORAGE_KEY`` (shared key for the endpoint's account),
+    3. ``AZURE_STORAGE_SAS_TOKEN``,
+    4. ``azure.identity.DefaultAzureCredential`` (https endpoints only).
+    """
+    from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
+
+    env = os.environ if environ is None else environ
+    conn = env.get(ENV_CONNECTION_STRING, "").strip()
+    if conn:
+        fields = _parse_connection_string(conn)
+        name = fields.get("accountname")
+        if name and endpoint.account and name != endpoint.account:
+            raise ValueError(
+                f"{ENV_CONNECTION_STRING} is for account {name!r} but --rdzv-endpoint names account "
+                f"{endpoint.account!r}: point the endpoint at the same account or unset the variable"
+            )
+        if fields.get("accountkey"):
+            return AzureNamedKeyCredential(name or endpoint.account, fields["accountkey"]), ENV_CONNECTION_STRING
+        if fields.get("sharedaccesssignature"):
+            return AzureSasCredential(fields["sharedaccesssignature"].lstrip("?")), ENV_CONNECTION_STRING
+        raise ValueError(f"{ENV_CONNECTION_STRING} has neither AccountKey nor SharedAccessSignature")
+    key = env.get(ENV_ACCOUNT_KEY, "").strip()
+    if key:
+        if not endpoint.account:
+            raise ValueError(f"{ENV_ACCOUNT_KEY} needs the account name in --rdzv-endpoint")
+        return AzureNamedKeyCredential(endpoint.account, key), ENV_ACCOUNT_KEY
+    sas = env.get(ENV_SAS_TOKEN, "").strip()
+    if sas:
+        return AzureSasCredential(sas.lstrip("?")), ENV_SAS_TOKEN
+    if not endpoint.is_https:
+        raise ValueError(
+            f"no storage credentials for {endpoint.account_url} (Entra ID tokens need https): "
+            f"{CREDENTIAL_HELP}"
+        )
+    try:
+        from azure.identity import DefaultAzureCredential
+    except ImportError:
+        raise ValueError(
+            f"no storage credentials found and azure-identity is not installed: {CREDENTIAL_HELP}, "
+            "or `pip install azure-identity`"
+        ) from None
+    return DefaultAzureCredential(), "DefaultAzureCredential"
+
+
+# -- errors --------------------------------------------------------------------------------------
+_SECRET_RES = (
+    re.compile(r"(?i)(sig=)[^&\s'\"]+"),
+    re.compile(r"(?i)(accountkey=)[^;\s'\"]+"),
+    re.compile(r"(?i)(sharedaccesssignature=)[^;\s'\"]+"),
+)
+
+
+def redact(text: str) -> str:
+    """Remove SAS signatures and account keys from an error message."""
+    for pattern in _SECRET_RES:
+        text = pattern.sub(r"\1<redacted>", text)
+    return text
+
+
+def _status(exc: BaseException) -> Optional[int]:
+    return getattr(exc, "status_code", None)
+
+
+def is_transient(exc: BaseException) -> bool:
+    from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
+
+    if isinstance(exc, (ServiceRequestError, ServiceResponseError)):
+        return True
+    return isinstance(exc, HttpResponseError) and _status(exc) in _TRANSIENT_STATUS
+
+
+def _dns_error(exc: BaseException) -> bool:
+    msg = str(exc)
+    return "Failed to resolve" in msg or "Name or service not known" in msg or "nodename nor servname" in msg
+
+
+def _hint(exc: BaseException, where: str) -> str:
+    msg = str(exc)
+    status = _status(exc)
+    if _dns_error(exc):
+        return f"cannot resolve the host of {where}: check the storage account name in --rdzv-endpoint"
+    if "Connection refused" in msg or "Failed to establish" in msg:
+        return f"nothing answers at {where}: check the endpoint (and that the emulator is running)"
+    if status in (401, 403) or type(exc).__name__ == "ClientAuthenticationError":
+        return f"{where} rejected the credentials: {CREDENTIAL_HELP}"
+    if status == 404:
+        return f"{where} does not exist: check the account name in --rdzv-endpoint"
+    return f"request to {where} failed"
+
+
+def table_missing(exc: BaseException) -> bool:
+    code = str(getattr(exc, "error_code", "") or "")
+    return "TableNotFound" in code or "TABLE_NOT_FOUND" in code
+
+
+def describe(exc: BaseException, where: str) -> str:
+    first = redact(str(exc)).strip().splitlines()
+    return f"{_hint(exc, where)} ({type(exc).__name__}: {first[0] if first else ''})"
+
+
+# -- the client ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RetrySettings:
+    """Bounded retries for transient errors: exponential backoff with jitter, up to ``budget_s``."""
+
+    budget_s: float = 20.0
+    first_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    request_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("budget_s", "first_backoff_s", "max_backoff_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be > 0")
+
+
+class TableOps:
+    """A ``TableClient`` whose calls retry transient errors and raise rendezvous errors."""
+
+    def __init__(self, endpoint: TableEndpoint, credential, retry: RetrySettings = RetrySettings()) -> None:
+        from azure.data.tables import TableClient
+
+        self.endpoint = endpoint
+        self.retry = retry
+        self.where = f"{endpoint.account_url}/{endpoint.table}"
+        # The SDK's own retry policy would sleep up to minutes; ours is bounded (retry_total=0).
+        self.client = TableClient(
+            endpoint=endpoint.account_url,
+            table_name=endpoint.table,
+            credential=credential,
+            retry_total=0,
+            connection_timeout=min(retry.request_timeout_s, 5.0),
+            read_timeout=retry.request_timeout_s,
+        )
+
+    def call(
+        self,
+        what: str,
+        fn: Callable[[], T],
+        *,
+        budget_s: Optional[float] = None,
+        retryable: Callable[[BaseException], bool] = is_transient,
+    ) -> T:
+        """Run ``fn``; retry ``retryable`` errors until the budget is spent; map the rest.
+
+        Expected outcomes (409, 404, 412) are raised unchanged for the caller to interpret.
+        """
+        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
+
+        budget = self.retry.budget_s if budget_s is None else budget_s
+        deadline = time.monotonic() + budget
+        backoff = self.retry.first_backoff_s
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if not retryable(exc):
+                    raise RendezvousConnectionError(
+                        f"Azure Table {what} failed: {describe(exc, self.where)}"
+                    ) from None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RendezvousConnectionError(
+                        f"Azure Table {what} failed after {attempt} attempts in {budget:.0f}s: "
+                        f"{describe(exc, self.where)}; raise --rdzv-conf retry_timeout=... to wait "
+                        f"longer for transient errors"
+                    ) from None
+                sleep = min(backoff * random.uniform(0.5, 1.5), remaining)
+                logger.warning(
+                    "Azure Table %s: transient %s (attempt %d), retrying in %.2fs",
+                    what, type(exc).__name__, attempt, sleep,
+                )
+                time.sleep(sleep)
+                backoff = min(backoff * 2, self.retry.max_backoff_s)
+
+    def ensure_table(self, budget_s: Optional[float] = None) -> None:
+        """Create the table if missing; proves the endpoint and credentials work.
+
+        An unknown host fails at once here (a mistyped account name never resolves); later, during
+        training, the same error is retried like any other connection error.
+        """
+        from azure.core.exceptions import ResourceExistsError
+
+        def create() -> None:
+            try:
+                self.client.create_table()
+            except ResourceExistsError:
+                pass
+
+        self.call("create_table", create, budget_s=budget_s, retryable=lambda e: is_transient(e) and not _dns_error(e))
+
+    def get(self, pk: str, rk: str):
+        """The entity or None."""
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            return self.call("get_entity", lambda: self.client.get_entity(pk, rk))
+        except ResourceNotFoundError as exc:
+            if table_missing(exc):
+                raise RendezvousConnectionError(
+                    f"table {self.where} was deleted while in use; restart the rendezvous"
+                ) from None
+            return None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# -- chunked values ------------------------------------------------------------------------------
+def pack_chunks(data: bytes, prefix: str, what: str) -> dict:
+    """Spread ``data`` over properties ``<prefix>00..`` plus length/count/sha256 bookkeeping."""
+    chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+    if len(chunks) > MAX_CHUNKS:
+        raise RendezvousStateError(
+            f"{what} is {len(data)} bytes; one Azure Table entity holds at most "
+            f"{MAX_CHUNKS * CHUNK_BYTES} bytes ({MAX_CHUNKS} x 64 KiB properties). Lower --nnodes "
+            f"MAX or use --rdzv-backend=c10d for very large jobs"
+        )
+    props: dict[str, Any] = {f"{prefix}{i:02d}": chunk for i, chunk in enumerate(chunks)}
+    props[f"{prefix}Chunks"] = len(chunks)
+    props[f"{prefix}Length"] = len(data)
+    props[f"{prefix}Sha256"] = hashlib.sha256(data).hexdigest()
+    return props
+
+
+def unpack_chunks(entity: Mapping[str, Any], prefix: str, what: str) -> bytes:
+    """Inverse of ``pack_chunks``; any inconsistency is ``RendezvousStateError``."""
+    try:
+        count = int(entity[f"{prefix}Chunks"])
+        length = int(entity[f"{prefix}Length"])
+        digest = str(entity[f"{prefix}Sha256"])
+        parts = [entity[f"{prefix}{i:02d}"] for i in range(count)]
+        data = b"".join(bytes(p) for p in parts)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RendezvousStateError(
+            f"{what} is corrupt ({type(exc).__name__}: {exc}); delete the entity (see "
+            f"`python -m raylastic.rendezvous.cleanup --help`) or use a new --rdzv-id"
+        ) from None
+    if len(data) != length or hashlib.sha256(data).hexdigest() != digest:
+        raise RendezvousStateError(
+            f"{what} is corrupt (length or sha256 mismatch); delete the entity (see "
+            f"`python -m raylastic.rendezvous.cleanup --help`) or use a new --rdzv-id"
+        )
+    return data
+
+
+def partition_key(run_id: str) -> str:
+    """A PartitionKey for ``run_id``: the id itself when its characters are safe, else a hash."""
+    if re.match(r"^[A-Za-z0-9._:@=+-]{1,200}$", run_id):
+        return f"run-{run_id}"
+    return "runh-" + hashlib.sha256(run_id.encode()).hexdigest()[:40]
+

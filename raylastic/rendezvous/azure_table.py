@@ -1,0 +1,193 @@
+"""torchrun rendezvous held in Azure Table Storage (``--rdzv-backend=azure-table``).
+
+The rendezvous state of a run is one entity (PartitionKey ``run-<rdzv-id>``, RowKey ``state``);
+its ETag is the fencing token: ``set_state`` is a conditional replace (``If-Match``), a stale token
+fails with 412 and the caller gets the current state back. Nothing lives on a node, so losing any
+node (rank 0 included) loses nothing: every round re-forms from the table.
+
+The control-plane key/value store that torchelastic also needs (rank assignment, master address,
+exit barrier) lives in the same partition (``AzureTableStore``). The workers' process group is
+bootstrapped per round by the round's rank 0 (agent store sharing is switched off, see
+``create_handler``), so it never points at a node that left.
+
+See docs/torchrun_azure.md for the command line, credentials, limits and cleanup.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    Token,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as _dynamic_handler
+
+from raylastic.rendezvous._table import (
+    RetrySettings,
+    TableOps,
+    pack_chunks,
+    parse_endpoint,
+    partition_key,
+    resolve_credential,
+    unpack_chunks,
+)
+from raylastic.rendezvous.azure_store import AzureTableStore
+
+__all__ = [
+    "BACKEND_NAME",
+    "AzureTableRendezvousBackend",
+    "AzureTableSettings",
+    "create_backend",
+    "create_handler",
+    "torchrun_handler",
+]
+
+logger = logging.getLogger(__name__)
+BACKEND_NAME = "azure-table"
+STATE_ROW = "state"
+STATE_FORMAT = 1
+_SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+class AzureTableRendezvousBackend(RendezvousBackend):
+    """``RendezvousBackend`` over one Azure Table entity per run, ETag as fencing token."""
+
+    def __init__(self, ops: TableOps, run_id: str) -> None:
+        if not run_id:
+            raise ValueError("the run id must be a non-empty string: pass --rdzv-id=<run>")
+        self._ops = ops
+        self._run_id = run_id
+        self._pk = partition_key(run_id)
+        self._what = f"the rendezvous state of run {run_id!r} in {ops.where}"
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def get_state(self) -> Optional[tuple[bytes, Token]]:
+        entity = self._ops.get(self._pk, STATE_ROW)
+        if entity is None:
+            return None
+        fmt = entity.get("Format")
+        if fmt != STATE_FORMAT:
+            raise RendezvousStateError(
+                f"{self._what} has format {fmt!r}, expected {STATE_FORMAT}: written by another "
+                f"version of raylastic? Use a new --rdzv-id or clean the run up"
+            )
+        return unpack_chunks(entity, "s", self._what), entity.metadata["etag"]
+
+    def set_state(self, state: bytes, token: Optional[Token] = None) -> Optional[tuple[bytes, Token, bool]]:
+        from azure.core import MatchConditions
+        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
+        from azure.data.tables import UpdateMode
+
+        entity = {
+            "PartitionKey": self._pk,
+            "RowKey": STATE_ROW,
+            "RunId": self._run_id,
+            "Format": STATE_FORMAT,
+            **pack_chunks(state, "s", self._what),
+        }
+        client = self._ops.client
+        try:
+            if token is None:
+                meta = self._ops.call("create_entity", lambda: client.create_entity(entity))
+            elif isinstance(token, str):
+                meta = self._ops.call(
+                    "update_entity",
+                    lambda: client.update_entity(
+                        entity, mode=UpdateMode.REPLACE, etag=token,
+                        match_condition=MatchConditions.IfNotModified,
+                    ),
+                )
+            else:  # a token we never issued cannot match
+                return self._current(state)
+        except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError):
+            return self._current(state)
+        return state, meta["etag"], True
+
+    def _current(self, attempted: bytes) -> Optional[tuple[bytes, Token, bool]]:
+        """The stored state after a lost race. A retried write whose first attempt did land
+        (412/409 on our own write) reads back our bytes, so it still counts as a success."""
+        current = self.get_state()
+        if current is None:
+            return None
+        state, token = current
+        return state, token, state == attempted
+
+
+@dataclass(frozen=True)
+class AzureTableSettings:
+    """``--rdzv-conf`` keys of this backend (torch's own keys are handled by torch)."""
+
+    table: Optional[str] = None
+    retry_timeout_s: float = 20.0
+    request_timeout_s: float = 10.0
+    store_timeout_s: float = 60.0
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> "AzureTableSettings":
+        def positive(key: str, default: float) -> float:
+            value = params.get_as_int(key, int(default))
+            if value is None or value <= 0:
+                raise ValueError(f"--rdzv-conf {key}={value} must be a positive number of seconds")
+            return float(value)
+
+        return cls(
+            table=params.get("table"),
+            retry_timeout_s=positive("retry_timeout", cls.retry_timeout_s),
+            request_timeout_s=positive("request_timeout", cls.request_timeout_s),
+            store_timeout_s=positive("read_timeout", cls.store_timeout_s),
+        )
+
+
+def create_backend(params: RendezvousParameters) -> tuple[AzureTableRendezvousBackend, AzureTableStore]:
+    """Backend and control-plane store for ``params``; fails fast on bad endpoint/credentials."""
+    settings = AzureTableSettings.from_params(params)
+    endpoint = parse_endpoint(params.endpoint, settings.table)
+    credential, source = resolve_credential(endpoint)
+    retry = RetrySettings(budget_s=settings.retry_timeout_s, request_timeout_s=settings.request_timeout_s)
+    ops = TableOps(endpoint, credential, retry)
+    logger.info("azure-table rendezvous: run %r in %s (credentials: %s)", params.run_id, ops.where, source)
+    ops.ensure_table()
+    backend = AzureTableRendezvousBackend(ops, params.run_id)
+    store = AzureTableStore(ops, params.run_id, timeout=timedelta(seconds=settings.store_timeout_s))
+    return backend, store
+
+
+def _quiet_azure_http_logging() -> None:
+    # azure-core logs every request and its headers at INFO; torchrun agents log at INFO.
+    http_logger = logging.getLogger("azure.core.pipeline.policies.http_logging_policy")
+    if http_logger.level == logging.NOTSET:
+        http_logger.setLevel(logging.WARNING)
+
+
+def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """The ``azure-table`` rendezvous handler for torchrun (``torchrun.handlers`` entry point).
+
+    Agent store sharing is switched off (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, torch's
+    documented opt-out, read by the handler and the agent in this process): with sharing on, the
+    first round's rank 0 agent hosts a TCPStore that later rounds keep using, so losing that node
+    would strand the survivors. With it off, every round's rank 0 publishes a fresh
+    MASTER_ADDR/MASTER_PORT in the round's store and its worker hosts the process-group store.
+    """
+    _quiet_azure_http_logging()
+    backend, store = create_backend(params)
+    previous = os.environ.get(_SHARE_STORE_ENV)
+    if previous not in (None, "1"):
+        logger.warning("azure-table rendezvous overrides %s=%s with 1 (see create_handler)", _SHARE_STORE_ENV, previous)
+    os.environ[_SHARE_STORE_ENV] = "1"
+    return _dynamic_handler(store, backend, params)
+
+
+def torchrun_handler():
+    """Target of the ``torchrun.handlers`` entry point: torch calls it and registers the result."""
+    return create_handler

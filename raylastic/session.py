@@ -1,0 +1,246 @@
+"""What a train function calls: ``report``, ``get_checkpoint``, ``get_context``.
+
+The same session also answers Ray Train's own calls (``ray.train.report``,
+``ray.train.get_checkpoint``, ``ray.train.get_context``, and through them
+``ray.train.torch.prepare_model`` / ``prepare_data_loader``): at training start the
+worker installs :class:`RayTrainAdapter` with Ray Train v2's ``set_train_fn_utils`` hook,
+so a function written for ``TorchTrainer`` runs unchanged.
+
+``report()`` never waits for the controller: metrics go to an in-process queue that the
+controller drains when it polls. Only a checkpoint costs time in the step (its files are
+copied to storage before ``report`` returns), and nothing waits on other ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional
+
+from ray.train import Checkpoint
+
+from raylastic.errors import CheckpointError
+
+
+class StopTraining(BaseException):
+    """Raised inside ``report()`` to unwind the train function for a resize.
+
+    A ``BaseException`` so that a train function's ``except Exception`` does not
+    swallow it.
+    """
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One worker's place in one membership epoch."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    backend: str
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    """The committed checkpoint an attempt starts from (None fields: fresh start)."""
+
+    checkpoint_rel: Optional[str] = None  # run-relative path of the checkpoint dir
+    index: int = 0  # report index the checkpoint was taken at
+    restart_count: int = 0
+
+
+@dataclass
+class ReportRecord:
+    """One ``report()`` call as the controller sees it."""
+
+    index: int  # global report index (continues across restarts from the checkpoint's)
+    rank: int
+    epoch: int
+    ts: float
+    metrics: Dict[str, Any]
+    checkpoint_rel: Optional[str] = None
+    files: List[Any] = field(default_factory=list)  # (relative path, size)
+    upload_s: float = 0.0
+
+
+class TrainContext:
+    """Where this worker stands: ranks, sizes, membership epoch, restart count.
+
+    Mirrors Ray Train's ``TrainContext`` method names.
+    """
+
+    def __init__(self, spec: GroupSpec, experiment_name: str, restart_count: int):
+        self._spec = spec
+        self._name = experiment_name
+        self._restart_count = restart_count
+
+    def get_world_size(self) -> int:
+        return self._spec.world_size
+
+    def get_world_rank(self) -> int:
+        return self._spec.rank
+
+    def get_local_rank(self) -> int:
+        return self._spec.local_rank
+
+    def get_local_world_size(self) -> int:
+        return self._spec.local_world_size
+
+    def get_node_rank(self) -> int:
+        return self._spec.node_rank
+
+    def get_experiment_name(self) -> str:
+        return self._name
+
+    def get_membership_epoch(self) -> int:
+        """Id of the current worker-group configuration; changes on every resize."""
+        return self._spec.epoch
+
+    def get_restart_count(self) -> int:
+        """How many times the group was re-formed before this attempt."""
+        return self._restart_count
+
+    def get_metadata(self) -> Dict[str, Any]:
+        return {}
+
+    def get_storage(self):  # Ray Train API; raylastic's storage is not Ray's StorageContext
+        return None
+
+
+class Session:
+    """Per-process state of the running attempt; thread-safe where the actor polls."""
+
+    def __init__(self, *, spec: GroupSpec, storage, run_rel: str, run_name: str, restore: RestoreInfo):
+        self.spec = spec
+        self.storage = storage
+        self.run_rel = run_rel
+        self.context = TrainContext(spec, run_name, restore.restart_count)
+        self.restore = restore
+        self._lock = threading.Lock()
+        self._records: Deque[ReportRecord] = collections.deque()
+        self._index = restore.index
+        self._stop_at: Optional[int] = None
+        self._abort = threading.Event()
+
+    # -- called from the train thread -------------------------------------------------
+    def report(self, metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
+        if self._abort.is_set():
+            raise StopTraining("membership change")
+        with self._lock:
+            self._index += 1
+            index = self._index
+        record = ReportRecord(
+            index=index, rank=self.spec.rank, epoch=self.spec.epoch, ts=time.time(),
+            metrics=dict(metrics or {}),
+        )
+        if checkpoint is not None:
+            self._persist(checkpoint, record)
+        with self._lock:
+            self._records.append(record)
+            stop = self._stop_at is not None and index >= self._stop_at
+        if stop or self._abort.is_set():
+            raise StopTraining(f"stop after report {index}")
+
+    def _persist(self, checkpoint: Checkpoint, record: ReportRecord) -> None:
+        rel = checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
+        start = time.perf_counter()
+        try:
+            with checkpoint.as_directory() as local_dir:
+                record.files = self.storage.upload_dir(local_dir, rel)
+        except Exception as e:  # noqa: BLE001 - surfaced as a worker failure
+            raise CheckpointError(f"rank {self.spec.rank}: could not persist checkpoint "
+                                  f"{record.index} to {self.storage.uri}/{rel}: {e}") from e
+        record.checkpoint_rel = rel
+        record.upload_s = time.perf_counter() - start
+
+    def get_checkpoint(self) -> Optional[Checkpoint]:
+        if self.restore.checkpoint_rel is None:
+            return None
+        return Checkpoint(path=self.storage.path(self.restore.checkpoint_rel), filesystem=self.storage.fs)
+
+    # -- called from the actor's control threads ------------------------------------
+    def drain(self) -> List[ReportRecord]:
+        with self._lock:
+            out = list(self._records)
+            self._records.clear()
+            return out
+
+    def current_index(self) -> int:
+        with self._lock:
+            return self._index
+
+    def request_stop_at(self, index: int) -> bool:
+        """Ask the train function to stop right after report ``index``.
+
+        Returns False if this rank already passed it (the controller then picks a
+        later index), so every rank stops after the same report and no rank is left
+        waiting in a collective for peers that stopped.
+        """
+        with self._lock:
+            if self._index >= index:
+                return False
+            self._stop_at = index if self._stop_at is None else min(self._stop_at, index)
+            return True
+
+    def abort(self) -> None:
+        self._abort.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self._abort.is_set()
+
+
+def checkpoint_rel(run_rel: str, index: int, epoch: int) -> str:
+    """Checkpoint dirs are named by report index AND epoch: a retry that reaches the
+    same index again writes a fresh directory instead of mixing files with a
+    half-written one from the failed attempt."""
+    return f"{run_rel}/checkpoints/checkpoint_{index:08d}-e{epoch}"
+
+
+_session: Optional[Session] = None
+_session_lock = threading.Lock()
+
+
+def _set_session(session: Optional[Session]) -> None:
+    global _session
+    with _session_lock:
+        _session = session
+
+
+def _get_session() -> Session:
+    with _session_lock:
+        if _session is None:
+            raise RuntimeError(
+                "raylastic.report/get_checkpoint/get_context can only be called inside a "
+                "train function launched by ElasticTrainer.fit()."
+            )
+        return _session
+
+
+def report(metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None, **_ignored: Any) -> None:
+    """Report metrics (and optionally a checkpoint) for this step.
+
+    Every rank should call it the same number of times (once per step is typical). A
+    checkpoint passed by any rank is persisted under the run directory; the checkpoint
+    counts only once every rank of the group has reported that step. Resizes happen
+    inside this call: it may raise an internal ``StopTraining`` that unwinds the train
+    function, which is then re-entered on the new group.
+    """
+    _get_session().report(metrics, checkpoint)
+
+
+def get_checkpoint() -> Optional[Checkpoint]:
+    """The latest committed checkpoint to resume from, or None on a fresh start."""
+    return _get_session().get_checkpoint()
+
+
+def get_context() -> TrainContext:
+    return _get_session().context

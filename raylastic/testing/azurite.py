@@ -1,0 +1,230 @@
+"""Azurite (the Azure Storage emulator) as a test harness: blob, table and queue on 127.0.0.1.
+
+Used by the Azure Table rendezvous tests and the ``abfs://`` checkpoint storage tests::
+
+    from raylastic.testing.azurite import Azurite
+
+    with Azurite() as az:
+        client = TableServiceClient.from_connection_string(az.connection_string)
+        ...
+        az.stop()    # simulate an outage: requests now fail to connect
+        az.start()   # back on the same ports (in-memory data is gone)
+
+The emulator is the npm package ``azurite@3.35.0`` (3.36+ needs a newer Node than 20), found at
+``<repo>/.cache/azurite/node_modules/.bin/azurite`` (``make install`` puts it there), then on
+``PATH``. Each instance runs in its own process group on free ports with in-memory persistence;
+``stop()`` kills the whole group, so no process outlives the harness (a finalizer covers a
+forgotten ``stop()``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["Azurite", "AzuriteNotInstalled", "find_azurite"]
+
+ACCOUNT_NAME = "devstoreaccount1"
+# The well-known development-storage key (public, documented by Microsoft; not a secret).
+ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+AZURITE_VERSION = "3.35.0"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_REPO_AZURITE = _REPO_ROOT / ".cache" / "azurite" / "node_modules" / ".bin" / "azurite"
+_INSTALL_HINT = (
+    f"install it with: mkdir -p .cache/azurite && cd .cache/azurite && "
+    f"npm install --no-audit --no-fund azurite@{AZURITE_VERSION}   (or run `make install`)"
+)
+
+
+class AzuriteNotInstalled(RuntimeError):
+    """The azurite executable was not found; the message says how to install it."""
+
+
+def find_azurite() -> Optional[str]:
+    """Path of the azurite executable (repo ``.cache`` first, then ``PATH``), or None."""
+    if _REPO_AZURITE.exists():
+        return str(_REPO_AZURITE)
+    return shutil.which("azurite")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left after ``grace_s``."""
+    if proc.returncode is not None:
+        return  # reaped earlier: its pid may already belong to someone else
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    # The leader may be gone while children linger: sweep the group before anything reuses it.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
+        pass
+
+
+class Azurite:
+    """One Azurite emulator (blob + table + queue) on free 127.0.0.1 ports.
+
+    ``start()`` is called by ``__enter__``; ``stop()``/``start()`` may be repeated and reuse the
+    same ports, so clients built from ``connection_string`` keep working after a restart (data
+    does not survive: persistence is in memory).
+    """
+
+    host = "127.0.0.1"
+    account_name = ACCOUNT_NAME
+    account_key = ACCOUNT_KEY
+
+    def __init__(self, *, executable: Optional[str] = None, startup_timeout_s: float = 30.0) -> None:
+        exe = executable or find_azurite()
+        if exe is None or not Path(exe).exists() and shutil.which(exe) is None:
+            raise AzuriteNotInstalled(f"azurite executable not found ({exe or _REPO_AZURITE}); {_INSTALL_HINT}")
+        self.executable = exe
+        self.startup_timeout_s = startup_timeout_s
+        self.blob_port = _free_port(self.host)
+        self.table_port = _free_port(self.host)
+        self.queue_port = _free_port(self.host)
+        self._workdir = tempfile.mkdtemp(prefix="raylastic-azurite-")
+        self._proc: Optional[subprocess.Popen] = None
+        self._procs: list = [None]  # shared with the finalizer, which must not hold ``self``
+        self._finalizer = weakref.finalize(self, Azurite._cleanup, self._procs, self._workdir)
+
+    # -- endpoints --------------------------------------------------------------------------
+    @property
+    def blob_endpoint(self) -> str:
+        return f"http://{self.host}:{self.blob_port}/{self.account_name}"
+
+    @property
+    def table_endpoint(self) -> str:
+        return f"http://{self.host}:{self.table_port}/{self.account_name}"
+
+    @property
+    def queue_endpoint(self) -> str:
+        return f"http://{self.host}:{self.queue_port}/{self.account_name}"
+
+    @property
+    def connection_string(self) -> str:
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={self.account_name};"
+            f"AccountKey={self.account_key};BlobEndpoint={self.blob_endpoint};"
+            f"QueueEndpoint={self.queue_endpoint};TableEndpoint={self.table_endpoint};"
+        )
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self._workdir, "azurite.log")
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> "Azurite":
+        """Start (or restart) the emulator on this instance's ports; wait until all accept."""
+        if self.running:
+            return self
+        cmd = [
+            self.executable,
+            "--inMemoryPersistence", "--disableTelemetry", "--skipApiVersionCheck", "--loose",
+            "--silent",
+            "--blobHost", self.host, "--blobPort", str(self.blob_port),
+            "--tableHost", self.host, "--tablePort", str(self.table_port),
+            "--queueHost", self.host, "--queuePort", str(self.queue_port),
+        ]
+        log = open(self.log_path, "ab")
+        try:
+            self._proc = subprocess.Popen(
+                cmd, cwd=self._workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() kills node and its children
+            )
+        finally:
+            log.close()
+        self._procs[0] = self._proc
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        ports = (self.blob_port, self.table_port, self.queue_port)
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                break
+            if all(_port_open(self.host, p) for p in ports):
+                time.sleep(0.05)  # a port grabbed by someone else makes azurite exit at once
+                if self._proc.poll() is None:
+                    return
+                break
+            time.sleep(0.05)
+        rc = self._proc.poll()
+        self.stop()
+        why = f"exited with code {rc}" if rc is not None else f"not ready after {self.startup_timeout_s:.0f}s"
+        raise RuntimeError(
+            f"Azurite {why} (ports blob={ports[0]} table={ports[1]} queue={ports[2]}); "
+            f"log tail:\n{self._log_tail()}\nIf the port is taken, retry; raise startup_timeout_s "
+            f"on a loaded machine."
+        )
+
+    def _log_tail(self, n: int = 2000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return "<no log>"
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        """Kill the emulator's process group and wait for it (in-memory data is lost)."""
+        if self._proc is not None:
+            _kill_group(self._proc, grace_s)
+            self._proc = None
+            self._procs[0] = None
+
+    def close(self) -> None:
+        """Stop and delete the working directory; the instance cannot be restarted after."""
+        self.stop()
+        self._finalizer()
+
+    @staticmethod
+    def _cleanup(procs, workdir: str) -> None:
+        for proc in procs:
+            if proc is not None:
+                _kill_group(proc, 1.0)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    def __enter__(self) -> "Azurite":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"Azurite({state}, blob={self.blob_port}, table={self.table_port}, queue={self.queue_port})"

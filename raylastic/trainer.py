@@ -1,0 +1,183 @@
+"""``ElasticTrainer(...).fit()``: validate, start the controller, wait, clean up."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Callable, Dict, List, Optional
+
+import ray
+from ray.train import Checkpoint
+
+from raylastic.config import RunConfig, ScalingConfig
+from raylastic.errors import ConfigError, TrainingAborted
+
+logger = logging.getLogger("raylastic")
+
+
+@dataclass
+class Result:
+    """What ``fit()`` returns.
+
+    Attributes:
+        metrics: the last metrics rank 0 reported.
+        checkpoint: the latest committed checkpoint (a ``ray.train.Checkpoint``) or None.
+        path: the run directory (local path or URI).
+        error: the exception that ended training, or None.
+        world_sizes: world size of every group formed, in order (e.g. ``[3, 2, 3]``).
+        restarts: how many times the group was re-formed.
+    """
+
+    metrics: Dict[str, Any]
+    checkpoint: Optional[Checkpoint]
+    path: str
+    error: Optional[BaseException] = None
+    world_sizes: List[int] = field(default_factory=list)
+    restarts: int = 0
+    return_value: Any = None
+
+
+class ElasticTrainer:
+    """Runs ``train_func`` on between ``min_workers`` and ``max_workers`` Ray workers.
+
+    The group starts as soon as ``min_workers`` can be placed, grows as capacity
+    appears, and survives worker and node loss by re-forming the torch process group
+    on the survivors and restoring the last committed checkpoint. See the README.
+    """
+
+    def __init__(self, train_func: Callable, *, train_loop_config: Optional[Dict[str, Any]] = None,
+                 scaling_config: Optional[ScalingConfig] = None, run_config: Optional[RunConfig] = None):
+        if not callable(train_func):
+            raise ConfigError(
+                f"train_func must be a callable taking (config) or (), got "
+                f"{type(train_func).__name__}. Fix: pass the function itself, e.g. "
+                "ElasticTrainer(train_func, ...), not train_func()."
+            )
+        if train_loop_config is not None and not isinstance(train_loop_config, dict):
+            raise ConfigError(
+                f"train_loop_config must be a dict or None, got {type(train_loop_config).__name__}."
+            )
+        scaling_config = scaling_config or ScalingConfig()
+        run_config = run_config or RunConfig()
+        if not isinstance(scaling_config, ScalingConfig):
+            raise ConfigError("scaling_config must be a raylastic.ScalingConfig "
+                              f"(got {type(scaling_config).__module__}.{type(scaling_config).__name__}).")
+        if not isinstance(run_config, RunConfig):
+            raise ConfigError("run_config must be a raylastic.RunConfig "
+                              f"(got {type(run_config).__module__}.{type(run_config).__name__}).")
+        _check_picklable(train_func, "train_func")
+        _check_picklable(train_loop_config, "train_loop_config")
+        self._train_func = train_func
+        self._config = train_loop_config
+        self._scaling = scaling_config
+        self._run = run_config
+        self._name = run_config.name or datetime.now().strftime("raylastic_%Y-%m-%d_%H-%M-%S")
+
+    @classmethod
+    def restore(cls, path: str, train_func: Callable, **kwargs: Any) -> "ElasticTrainer":
+        """A trainer that resumes the run at ``path`` (``<storage_path>/<name>``)."""
+        path = str(path).rstrip("/")
+        storage_path, _, name = path.rpartition("/")
+        if not name or not storage_path:
+            raise ConfigError(f"restore(path={path!r}): expected <storage_path>/<run name>.")
+        run = kwargs.pop("run_config", None) or RunConfig()
+        from dataclasses import replace
+
+        run = replace(run, name=name, storage_path=storage_path)
+        return cls(train_func, run_config=run, **kwargs)
+
+    def fit(self, raise_on_error: bool = True) -> Result:
+        """Train until the train function returns on every rank, or a budget runs out.
+
+        Raises the error that ended training (``TrainingFailedError``,
+        ``InsufficientCapacityError``, ``TrainingAborted``) unless
+        ``raise_on_error=False``, in which case it is in ``Result.error``.
+        """
+        from raylastic._internal.controller.controller import Controller
+        from raylastic.checkpoint.storage import Storage
+
+        storage = Storage(self._run.storage_path)  # bad URIs / credentials fail here
+        if not ray.is_initialized():
+            ray.init(log_to_driver=True)
+        if self._scaling.validate_resources:
+            _check_resources(self._scaling)
+        node_id = ray.get_runtime_context().get_node_id()
+        controller_cls = ray.remote(Controller).options(
+            num_cpus=0, max_concurrency=4, max_restarts=0,
+            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id, soft=True),
+        )
+        controller = controller_cls.remote(
+            self._train_func, self._config, self._scaling, self._run, storage, self._name, self._name,
+        )
+        run_ref = controller.run.remote()
+        try:
+            outcome = _wait(run_ref)
+        except KeyboardInterrupt:
+            logger.warning("interrupted: stopping workers (Ctrl-C again to force)")
+            controller.request_stop.remote()
+            try:
+                outcome = ray.get(run_ref, timeout=60)
+            except BaseException:  # noqa: BLE001 - second Ctrl-C or timeout: kill
+                outcome = {"error": TrainingAborted("training was interrupted"), "metrics": {},
+                           "checkpoint_rel": None, "world_sizes": []}
+            ray.kill(controller, no_restart=True)
+            raise KeyboardInterrupt from None
+        finally:
+            pass
+        ray.kill(controller, no_restart=True)
+        ckpt_rel = outcome.get("checkpoint_rel")
+        result = Result(
+            metrics=outcome.get("metrics", {}),
+            checkpoint=Checkpoint(path=storage.path(ckpt_rel), filesystem=storage.fs) if ckpt_rel else None,
+            path=_join_uri(storage.uri, self._name),
+            error=outcome.get("error"),
+            world_sizes=outcome.get("world_sizes", []),
+            restarts=outcome.get("restarts", 0),
+            return_value=outcome.get("return_value"),
+        )
+        if result.error is not None and raise_on_error:
+            raise result.error
+        return result
+
+
+def _wait(ref) -> Dict[str, Any]:
+    # Short waits so Ctrl-C reaches Python between them (ray.get blocks signals).
+    while True:
+        ready, _ = ray.wait([ref], timeout=0.5)
+        if ready:
+            return ray.get(ref)
+        time.sleep(0)
+
+
+def _join_uri(base: str, name: str) -> str:
+    return f"{base.rstrip('/')}/{name}"
+
+
+def _check_picklable(obj: Any, what: str) -> None:
+    import ray.cloudpickle as cloudpickle
+
+    try:
+        cloudpickle.dumps(obj)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(
+            f"{what} cannot be pickled ({type(e).__name__}: {e}). Ray ships it to every "
+            f"worker. Fix: build unpicklable objects (locks, open files, clients, CUDA "
+            f"tensors) inside the train function instead of passing them in {what}."
+        ) from None
+
+
+def _check_resources(scaling: ScalingConfig) -> None:
+    offered = ray.cluster_resources()
+    unknown = [k for k in scaling.custom_resources() if k not in offered]
+    if scaling.use_gpu and not offered.get("GPU"):
+        unknown.append("GPU")
+    if unknown:
+        known = sorted(k for k in offered if not k.startswith("node:"))
+        raise ConfigError(
+            f"ScalingConfig.resources_per_worker asks for {unknown}, which no node in the "
+            f"cluster offers (offered: {known}). Fix: start nodes with those resources "
+            "(ray start --resources / --num-gpus), fix the name, or pass "
+            "validate_resources=False if an autoscaler will add such nodes."
+        )
