@@ -16,6 +16,8 @@ from raylastic.errors import ConfigError, TrainingAborted
 
 logger = logging.getLogger("raylastic")
 
+HEAD_RESOURCE = "node:__internal_head__"  # Ray puts this resource on the head node only
+
 
 @dataclass
 class Result:
@@ -103,10 +105,11 @@ class ElasticTrainer:
             ray.init(log_to_driver=True)
         if self._scaling.validate_resources:
             _check_resources(self._scaling)
-        node_id = ray.get_runtime_context().get_node_id()
+        # On the head node: it holds no CPU/GPU, and must not die with a preempted worker
+        # node (the workers it owns would die with it). Soft node affinity is not enough:
+        # Ray spills a zero-CPU actor off a zero-CPU head.
         controller_cls = ray.remote(Controller).options(
-            num_cpus=0, max_concurrency=4, max_restarts=0,
-            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id, soft=True),
+            num_cpus=0, max_concurrency=4, max_restarts=0, resources={HEAD_RESOURCE: 0.001},
         )
         controller = controller_cls.remote(
             self._train_func, self._config, self._scaling, self._run, storage, self._name, self._name,

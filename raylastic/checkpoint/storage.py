@@ -43,6 +43,7 @@ __all__ = [
     "RetryPolicy",
     "Storage",
     "classify_error",
+    "retry_call",
     "parse_uri",
     "select_azure_credentials",
 ]
@@ -94,14 +95,16 @@ _TRANSIENT_PATTERNS = re.compile(
     r"|timed? ?out|timeout|SLOW_?DOWN|throttl|TooManyRequests|RequestLimitExceeded"
     r"|SERVICE_UNAVAILABLE|ServiceUnavailable|INTERNAL_FAILURE|InternalError|ServerBusy"
     r"|OperationTimedOut|Empty reply|broken pipe|temporarily unavailable"
-    r"|Cannot connect to host|Server disconnected|curlCode: (?:6|7|28|52|55|56)\b",
+    r"|Cannot connect to host|Server disconnected|curlCode: (?:6|7|28|52|55|56)\b"
+    r"|CURL error \[(?:6|7|28|52|55|56)\]|\bUNAVAILABLE\b|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED",
     re.IGNORECASE,
 )
 _PERMANENT_PATTERNS = re.compile(
     r"NO_SUCH_BUCKET|NoSuchBucket|ContainerNotFound|ACCESS_DENIED|AccessDenied"
     r"|INVALID_ACCESS_KEY_ID|InvalidAccessKeyId|SIGNATURE_DOES_NOT_MATCH|SignatureDoesNotMatch"
     r"|AuthenticationFailed|AuthorizationFailure|AuthorizationPermissionMismatch"
-    r"|ExpiredToken|InvalidToken|UNRECOGNIZED_CLIENT|Forbidden|Unauthorized",
+    r"|ExpiredToken|InvalidToken|UNRECOGNIZED_CLIENT|Forbidden|Unauthorized"
+    r"|PERMISSION_DENIED|UNAUTHENTICATED",
     re.IGNORECASE,
 )
 _HTTP_STATUS = re.compile(r"(?:response code|status(?: code)?|HTTP)[^0-9\n]{0,4}(\d{3})\b", re.I)
@@ -158,12 +161,17 @@ def classify_error(exc: BaseException) -> ErrorKind:
     return "permanent"
 
 
-def _is_storage_exception(exc: BaseException) -> bool:
-    """True for errors raised by I/O layers; programming errors propagate unwrapped."""
+def _is_storage_exception(exc: BaseException | None, depth: int = 0) -> bool:
+    """True for errors raised by I/O layers, or wrapping one (adlfs raises RuntimeError from
+    azure errors); programming errors propagate unwrapped."""
+    if exc is None or depth > 8:
+        return False
     if isinstance(exc, (OSError, StorageError)):
         return True
     module = type(exc).__module__ or ""
-    return module.split(".")[0] in {"azure", "aiohttp", "adlfs", "botocore", "google", "fsspec"}
+    if module.split(".")[0] in {"azure", "aiohttp", "adlfs", "botocore", "google", "fsspec"}:
+        return True
+    return _is_storage_exception(exc.__cause__ or exc.__context__, depth + 1)
 
 
 _SECRET_IN_TEXT = re.compile(
@@ -178,6 +186,45 @@ def _redact(text: str, secrets: tuple[str, ...]) -> str:
         if secret and len(secret) >= 4:
             text = text.replace(secret, "***")
     return _SECRET_IN_TEXT.sub(r"\1***", text)
+
+
+def retry_call(fn: Callable[[], T], policy: RetryPolicy, *, what: str = "storage call",
+               secrets: tuple[str, ...] = (), sleep: Callable[[float], None] = time.sleep,
+               rand: Callable[[], float] = random.random) -> T:
+    """Call ``fn``; retry transient errors under ``policy``, then raise a StorageError.
+
+    FileNotFoundError (a missing object is an answer, not a failure) and non-I/O exceptions
+    (bugs) propagate unchanged. The original error is summarised, secrets redacted, and not
+    chained: an SDK message can carry a signed URL.
+    """
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if isinstance(exc, StorageError) or not _is_storage_exception(exc):
+                raise
+            kind = classify_error(exc)
+            if kind == "transient" and attempt < policy.max_attempts:
+                sleep(policy.delay(attempt, rand))
+                continue
+            detail = _summarise(exc, secrets)
+            if kind == "transient":
+                raise TransientStorageError(
+                    f"{what}: still failing after {attempt} attempt(s) (raise "
+                    f"RetryPolicy.max_attempts={policy.max_attempts} to wait longer): {detail}"
+                ) from None
+            raise PermanentStorageError(f"{what}: {detail}") from None
+
+
+def _summarise(exc: BaseException, secrets: tuple[str, ...], limit: int = 400) -> str:
+    """One line, bounded, secrets redacted (Azure errors embed multi-line XML bodies)."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    text = _redact(text, secrets)
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 # ----------------------------------------------------------------------------- URIs
@@ -251,7 +298,7 @@ def parse_uri(uri: str) -> ParsedUri:
     out_scheme = {"s3": "s3", "gs": "gs", "az": scheme}[kind]
     norm = f"{out_scheme}://{netloc}" + (f"/{prefix}" if prefix else "")
     if query:
-        norm += "?" + urlencode(sorted(query.items()))
+        norm += "?" + urlencode(sorted(query.items()), safe=":/")
     return ParsedUri(kind, bucket, prefix, account, dict(sorted(query.items())), norm)
 
 
@@ -377,8 +424,9 @@ def _gcs_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
 
     opts = p.options
     anonymous = _truthy(opts.get("anonymous"))
+    # Our RetryPolicy owns retrying; keep the client's own retry window short.
     kwargs: dict = {"anonymous": anonymous,
-                    "retry_time_limit": datetime.timedelta(seconds=20)}
+                    "retry_time_limit": datetime.timedelta(seconds=5)}
     for key in ("endpoint_override", "scheme", "project_id"):
         if opts.get(key):
             kwargs[key] = opts[key]
@@ -397,7 +445,7 @@ def _bound_azure_sdk_retries(afs) -> None:
     if policy is not None:
         for attr, value in (("total_retries", 1), ("connect_retries", 1), ("read_retries", 1),
                             ("status_retries", 1), ("initial_backoff", 0.2),
-                            ("increment_base", 2), ("backoff_max", 2)):
+                            ("increment_base", 1), ("random_jitter_range", 0.1)):
             if hasattr(policy, attr):
                 setattr(policy, attr, value)
 
@@ -486,29 +534,9 @@ class Storage:
         """Run ``fn`` under the retry policy, translating errors into the two kinds."""
         if not self._root_checked:
             self._check_root()
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return fn()
-            except FileNotFoundError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - classified below
-                if not _is_storage_exception(exc) or isinstance(exc, StorageError):
-                    raise
-                kind = classify_error(exc)
-                if kind == "transient" and attempt < self.retry.max_attempts:
-                    self._sleep(self.retry.delay(attempt))
-                    continue
-                raise self._wrap(kind, op, rel, exc, attempt) from None
-
-    def _wrap(self, kind: str, op: str, rel: str, exc: BaseException, attempts: int) -> StorageError:
-        detail = _redact(f"{type(exc).__name__}: {exc}", self._backend.secrets)
-        if kind == "transient":
-            return TransientStorageError(
-                f"{op} {rel!r} on {self.target} still failing after {attempts} attempt(s) "
-                f"(RetryPolicy.max_attempts={self.retry.max_attempts}): {detail}")
-        return PermanentStorageError(f"{op} {rel!r} on {self.target} failed: {detail}")
+        what = f"{op} {rel!r} on {self.target}" if rel else f"{op} {self.target}"
+        return retry_call(fn, self.retry, sleep=self._sleep, what=what,
+                          secrets=self._backend.secrets)
 
     def _check_root(self) -> None:
         """Fail fast, by name, when the bucket/container is missing or access is denied."""
@@ -519,13 +547,13 @@ class Storage:
 
         self._root_checked = True  # probe runs through _call; avoid recursing
         try:
-            exists = self._call("check bucket", "", probe)
+            exists = self._call("checking access to", "", probe)
             if not exists:
                 if not self.create_container:
                     raise PermanentStorageError(
                         f"{self.target} does not exist; create it first (or pass "
                         "create_container=True) - raylastic does not create buckets silently")
-                self._call("create bucket", "", self._backend.create_bucket)
+                self._call("creating", "", self._backend.create_bucket)
         except BaseException:
             self._root_checked = False
             raise
@@ -550,10 +578,21 @@ class Storage:
         path = self.path(rel)
 
         def get() -> bytes:
-            with self.fs.open_input_stream(path) as src:
+            with self._open_input(path) as src:
                 return src.read()
 
         return self._call("read", rel, get)
+
+    def _open_input(self, path: str):
+        """Open for reading; re-check a "not found" with a stat. fsspec's ``isfile`` (used by
+        pyarrow's FSSpecHandler) turns an unreachable Azure endpoint into FileNotFoundError,
+        which would read as "no checkpoint" during an outage; the stat raises the real error."""
+        try:
+            return self.fs.open_input_stream(path)
+        except FileNotFoundError:
+            if not self.is_local and self.fs.get_file_info(path).type == pafs.FileType.File:
+                return self.fs.open_input_stream(path)
+            raise
 
     def exists(self, rel: str) -> bool:
         path = self.path(rel)
@@ -570,7 +609,10 @@ class Storage:
                 infos = self.fs.get_file_info(selector)
             except (FileNotFoundError, NotADirectoryError):
                 return []
-            return sorted({info.base_name for info in infos if info.base_name})
+            # adlfs may return grandchildren for a depth-1 listing: keep direct children only.
+            parent = path.rstrip("/")
+            return sorted({i.base_name for i in infos
+                           if i.base_name and i.path.rstrip("/").rsplit("/", 1)[0] == parent})
 
         return self._call("list", rel, ls)
 
@@ -589,7 +631,7 @@ class Storage:
                 self._call("upload", f"{rel}/{name}", lambda: _atomic_local_copy(src, dst))
             else:
                 self._call("upload", f"{rel}/{name}", lambda: _copy_stream(
-                    pafs.LocalFileSystem(), src, self.fs, dst))
+                    pafs.LocalFileSystem().open_input_stream, src, self.fs, dst))
 
         self._map(one, files)
         return files
@@ -609,7 +651,7 @@ class Storage:
             dst = os.path.join(local_dir, *name.split("/"))
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             self._call("download", f"{rel}/{name}", lambda: _copy_stream(
-                self.fs, src, pafs.LocalFileSystem(), dst))
+                self._open_input, src, pafs.LocalFileSystem(), dst))
 
         os.makedirs(local_dir, exist_ok=True)
         self._map(one, files)
@@ -624,9 +666,32 @@ class Storage:
             try:
                 self.fs.delete_dir(path)
             except FileNotFoundError:
-                pass
+                return
+            if not self.is_local:
+                self._sweep_empty_dirs(path)
 
         self._call("delete", rel, rm)
+
+    def _sweep_empty_dirs(self, path: str) -> None:
+        """SeaweedFS can keep emptied directories after a batch delete; they are invisible to
+        recursive listings and pyarrow cannot delete them, yet ``list_dir`` shows them. Touch
+        an object inside each leftover (deepest first) and delete the directory again, which
+        makes the server drop it. Costs one HEAD on stores without the quirk."""
+        if self.fs.get_file_info(path).type != pafs.FileType.Directory:
+            return
+        selector = pafs.FileSelector(path, allow_not_found=True, recursive=False)
+        for info in self.fs.get_file_info(selector):
+            if info.type == pafs.FileType.Directory:
+                self._sweep_empty_dirs(info.path)
+            elif info.type == pafs.FileType.File:
+                self.fs.delete_file(info.path)
+        if self.fs.get_file_info(path).type == pafs.FileType.Directory:
+            with self.fs.open_output_stream(f"{path}/.raylastic-sweep"):
+                pass
+            try:
+                self.fs.delete_dir(path)
+            except FileNotFoundError:
+                pass
 
     def delete_file(self, rel: str) -> None:
         path = self.path(rel)
@@ -693,8 +758,8 @@ def _atomic_local_copy(src: str, dst: str) -> None:
         raise
 
 
-def _copy_stream(src_fs: pafs.FileSystem, src: str, dst_fs: pafs.FileSystem, dst: str) -> None:
-    with src_fs.open_input_stream(src) as fin, dst_fs.open_output_stream(dst) as fout:
+def _copy_stream(open_src: Callable, src: str, dst_fs: pafs.FileSystem, dst: str) -> None:
+    with open_src(src) as fin, dst_fs.open_output_stream(dst) as fout:
         while True:
             chunk = fin.read(_CHUNK)
             if not chunk:

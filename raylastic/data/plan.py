@@ -102,7 +102,7 @@ def shard_for_rank(indices: Sequence[int], rank: int, world_size: int) -> list[i
 
 
 def micro_batch_sizes(num_samples: int, micro_batch_size: int) -> tuple[int, ...]:
-    """Sizes of the micro-batches a share of ``num_samples`` is cut into: full ones, then the rest."""
+    """Micro-batch sizes for a share of ``num_samples``: full ones, then the remainder."""
     _check_positive("micro_batch_size", micro_batch_size)
     full, rest = divmod(num_samples, micro_batch_size)
     return (micro_batch_size,) * full + ((rest,) if rest else ())

@@ -81,7 +81,8 @@ class LoaderState:
         if self.dataset_len != dataset_len:
             raise ValueError(
                 f"state_dict['dataset_len'] ({self.dataset_len}) != len(dataset) ({dataset_len}): "
-                f"the checkpoint was taken on another dataset; resume with the same dataset, {restart}"
+                "the checkpoint was taken on another dataset; resume with the same dataset, "
+                f"{restart}"
             )
         if self.seed != seed:
             raise ValueError(

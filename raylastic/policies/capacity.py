@@ -15,7 +15,8 @@ Rules (``prefer="spot"``), checked every tick in this order:
    ``max_workers`` spot slots (the autoscaler keeps trying spot) plus, once spot has been
    short (ready spot < ``max_workers``) for ``fallback_after_s``, on-demand slots for the
    shortfall, at most ``max_on_demand_workers``. On-demand workers still in the group stay
-   requested until they have been migrated away.
+   requested until they have been migrated away. With ``return_to_spot=False`` the spot
+   target is ``max_workers`` minus the on-demand workers kept.
 4. Otherwise :class:`Noop`.
 
 ``prefer="on_demand"`` requests ``min(max_workers, max_on_demand_workers)`` on-demand slots

@@ -114,6 +114,9 @@ class NodeType:
                 )
         object.__setattr__(self, "worker_resources", res)
 
+    def __hash__(self) -> int:  # the dict field is never mutated after construction
+        return hash((self.name, self.market, tuple(sorted(self.worker_resources.items()))))
+
     @property
     def resource_key(self) -> str:
         """The custom resource every node of this type carries, one unit per worker slot."""
@@ -269,6 +272,9 @@ class PriceTable:
                 )
             prices[name] = float(price)
         object.__setattr__(self, "usd_per_hour", prices)
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self.usd_per_hour.items())), self.source))
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, float], source: str = "user mapping") -> "PriceTable":

@@ -33,7 +33,9 @@ DEFAULT_TABLE = "torchrendezvous"
 CHUNK_BYTES = 64 * 1024
 MAX_CHUNKS = 15
 ENV_CONNECTION_STRING = "AZURE_STORAGE_CONNECTION_STRING"
-ENV_ACCOUNT_KEY = "AZURE_STORAGE_KEY"
+ENV_ACCOUNT_NAME = "AZURE_STORAGE_ACCOUNT_NAME"
+ENV_ACCOUNT_KEY = "AZURE_STORAGE_ACCOUNT_KEY"
+ENV_ACCOUNT_KEY_ALIAS = "AZURE_STORAGE_KEY"  # the Azure CLI's name for the same thing
 ENV_SAS_TOKEN = "AZURE_STORAGE_SAS_TOKEN"
 _TABLE_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]{2,62}$")
 _ACCOUNT_RE = re.compile(r"^[a-z0-9]{3,24}$")
@@ -143,17 +145,38 @@ def _parse_connection_string(conn: str) -> dict:
     return fields
 
 
+def require_sdk() -> None:
+    """Fail with the install command when the Azure SDK (an optional dependency) is missing."""
+    try:
+        import azure.core  # noqa: F401
+        import azure.data.tables  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            "the azure-table rendezvous needs azure-data-tables: pip install 'raylastic[azure]'"
+        ) from None
+
+
 def resolve_credential(endpoint: TableEndpoint, environ: Optional[Mapping[str, str]] = None):
     """Return ``(credential, source)`` in the documented order; ``source`` names no secret.
 
     1. ``AZURE_STORAGE_CONNECTION_STRING`` (its AccountKey or SharedAccessSignature),
-    2. ``AZURE_STORAGE_KEY`` (shared key for the endpoint's account),
+    2. ``AZURE_STORAGE_ACCOUNT_KEY`` (or ``AZURE_STORAGE_KEY``): shared key of the endpoint's account,
     3. ``AZURE_STORAGE_SAS_TOKEN``,
     4. ``azure.identity.DefaultAzureCredential`` (https endpoints only).
+
+    The same variables as raylastic's checkpoint storage; ``AZURE_STORAGE_ACCOUNT_NAME``, when
+    set, must name the endpoint's account.
     """
+    require_sdk()
     from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
 
     env = os.environ if environ is None else environ
+    named = env.get(ENV_ACCOUNT_NAME, "").strip()
+    if named and endpoint.account and named != endpoint.account:
+        raise ValueError(
+            f"{ENV_ACCOUNT_NAME}={named!r} but --rdzv-endpoint names account {endpoint.account!r}: "
+            "point the endpoint at the same account or unset the variable"
+        )
     conn = env.get(ENV_CONNECTION_STRING, "").strip()
     if conn:
         fields = _parse_connection_string(conn)
@@ -168,7 +191,7 @@ def resolve_credential(endpoint: TableEndpoint, environ: Optional[Mapping[str, s
         if fields.get("sharedaccesssignature"):
             return AzureSasCredential(fields["sharedaccesssignature"].lstrip("?")), ENV_CONNECTION_STRING
         raise ValueError(f"{ENV_CONNECTION_STRING} has neither AccountKey nor SharedAccessSignature")
-    key = env.get(ENV_ACCOUNT_KEY, "").strip()
+    key = env.get(ENV_ACCOUNT_KEY, "").strip() or env.get(ENV_ACCOUNT_KEY_ALIAS, "").strip()
     if key:
         if not endpoint.account:
             raise ValueError(f"{ENV_ACCOUNT_KEY} needs the account name in --rdzv-endpoint")
@@ -332,13 +355,24 @@ class TableOps:
         An unknown host fails at once here (a mistyped account name never resolves); later, during
         training, the same error is retried like any other connection error.
         """
-        from azure.core.exceptions import ResourceExistsError
+        from azure.core.exceptions import HttpResponseError, ResourceExistsError, ResourceNotFoundError
 
         def create() -> None:
             try:
                 self.client.create_table()
             except ResourceExistsError:
                 pass
+            except HttpResponseError as exc:
+                if _status(exc) != 403:
+                    raise
+                # A SAS scoped to one table may not create tables: fine if the table exists.
+                # Reading a row that is never written tells "table there" (entity 404) apart.
+                try:
+                    self.client.get_entity("__probe__", "__probe__")
+                except ResourceNotFoundError as missing:
+                    if table_missing(missing):
+                        raise exc from None
+                    return
 
         self.call("create_table", create, budget_s=budget_s, retryable=lambda e: is_transient(e) and not _dns_error(e))
 

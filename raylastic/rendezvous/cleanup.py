@@ -39,7 +39,7 @@ def _partitions(ops: TableOps) -> dict:
     run_ids: dict = {}
 
     def scan() -> None:
-        for entity in ops.client.list_entities(select=["PartitionKey", "RowKey", "RunId"]):
+        for entity in ops.client.list_entities(select=["PartitionKey", "RowKey", "RunId", "Timestamp"]):
             pk = entity["PartitionKey"]
             rows[pk].append(entity["RowKey"])
             stamp = entity.metadata.get("timestamp")
@@ -66,9 +66,10 @@ def cleanup(
     run_id: Optional[str] = None,
     dry_run: bool = False,
     now: Optional[datetime] = None,
-    out=sys.stdout,
+    out=None,
 ) -> list:
-    """Delete matching runs; return their run ids."""
+    """Delete matching runs (printing one line each to ``out``, default stdout); return their ids."""
+    out = out or sys.stdout
     if (older_than is None) == (run_id is None):
         raise ValueError("give exactly one of older_than and run_id")
     cutoff = (now or datetime.now(timezone.utc)) - older_than if older_than is not None else None
@@ -77,8 +78,8 @@ def cleanup(
     for pk, (row_keys, newest, rid) in sorted(_partitions(ops).items()):
         if wanted is not None and pk != wanted:
             continue
-        if cutoff is not None and newest is not None and newest >= cutoff:
-            continue
+        if cutoff is not None and (newest is None or newest >= cutoff):
+            continue  # fresh, or of unknown age: never guess towards deleting
         age = f"last active {newest:%Y-%m-%d %H:%M} UTC" if newest else "age unknown"
         print(f"{'would delete' if dry_run else 'deleting'} run {rid!r}: {len(row_keys)} entities, {age}", file=out)
         if not dry_run:

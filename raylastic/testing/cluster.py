@@ -50,7 +50,7 @@ class LocalCluster:
         )
         for _ in range(self._num_nodes):
             self.add_node(wait=False)
-        ray.init(address=self.cluster.address, log_to_driver=False)
+        ray.init(address=self.cluster.address, log_to_driver=True)
         self.cluster.wait_for_nodes()
         return self
 

@@ -175,7 +175,8 @@ class SeaweedS3:
             self.executable, "server",
             f"-ip={self.host}", f"-ip.bind={self.host}", f"-dir={self.data_dir}",
             "-master.telemetry=false", "-volume.max=0", "-master.volumeSizeLimitMB=256",
-            "-volume.preStopSeconds=0",
+            # 1 s raft election (default 10 s) makes restarts on the same data dir quick.
+            "-volume.preStopSeconds=0", "-master.electionTimeout=1s",
             f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
             f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
             "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",

@@ -264,6 +264,7 @@ def test_policy_and_decisions_pickle_and_record():
     policy = CapacityPolicy(prefer="spot", fallback_after_s=120, max_on_demand_workers=2,
                             return_to_spot=True, max_wait_s=900, prices=PRICES)
     assert pickle.loads(pickle.dumps(policy)) == policy
+    assert hash(policy) == hash(pickle.loads(pickle.dumps(policy)))  # usable in frozen configs
     rec = policy.to_record()
     json.dumps(rec)
     assert rec["prices"]["usd_per_hour"] == {"spot": 0.9, "on_demand": 3.0}

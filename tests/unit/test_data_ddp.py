@@ -64,7 +64,8 @@ def test_two_gloo_ranks_match_single_process_full_batch():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = mp.spawn(_worker, args=(_free_port(), results), nprocs=2, join=False)
-    got = dict((rank, (grads, state)) for rank, grads, state in (results.get(timeout=50) for _ in range(2)))
+    replies = [results.get(timeout=50) for _ in range(2)]
+    got = {rank: (grads, state) for rank, grads, state in replies}
     procs.join(timeout=30)
 
     dataset, model = _setup()

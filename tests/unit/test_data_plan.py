@@ -40,7 +40,8 @@ def test_uneven_split_is_contiguous_and_front_loaded():
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_epoch_covers_each_index_once_except_dropped_tail(shuffle):
     steps = steps_per_epoch(N, GBS)
-    seen = list(itertools.chain(*(global_batch_indices(N, 0, 2, k, GBS, shuffle) for k in range(steps))))
+    batches = (global_batch_indices(N, 0, 2, k, GBS, shuffle) for k in range(steps))
+    seen = list(itertools.chain(*batches))
     assert len(seen) == len(set(seen)) == steps * GBS == N - N % GBS
     order = list(epoch_order(N, seed=0, epoch=2, shuffle=shuffle))
     assert sorted(order) == list(range(N))

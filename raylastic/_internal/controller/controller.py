@@ -207,7 +207,8 @@ class Controller:
             f"epoch {epoch}: world size {prev} -> {world}"
             + (f", resuming from checkpoint {latest.index}" if latest else ", fresh start"),
             epoch=epoch, world_size=world, previous_world_size=prev,
-            nodes=[m.node_id for m in members], restore_index=restore.index,
+            nodes=[m.node_id for m in members], pids=[m.info.get("pid") for m in members],
+            restore_index=restore.index,
             restore_path=restore.checkpoint_rel,
         )
         if latest:

@@ -1,0 +1,152 @@
+"""ElasticTrainer end to end on a real local multi-node Ray cluster (gloo on CPU).
+
+One cluster (head without CPUs + 3 one-CPU worker nodes) serves the module; tests that
+remove nodes put them back. Faults land at report indices read from the run's own
+files; every wait is bounded.
+"""
+
+import os
+
+import pytest
+import ray
+
+from raylastic import (
+    CheckpointConfig, ConfigError, ElasticTrainer, FailureConfig, InsufficientCapacityError,
+    RunConfig, ScalingConfig, TrainingFailedError,
+)
+from raylastic.events import EventKind, load_events
+from raylastic.testing.faults import FitThread, RunWatcher, kill_node_at, kill_worker_process
+from raylastic.testing.train_funcs import ddp_regression
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _trainer(run_dir, name, cfg, min_w=2, max_w=3, **run_kw):
+    return ElasticTrainer(
+        ddp_regression, train_loop_config=cfg,
+        scaling_config=ScalingConfig(min_workers=min_w, max_workers=max_w),
+        run_config=RunConfig(name=name, storage_path=run_dir, verbose=False, **run_kw),
+    )
+
+
+def _actor_count():
+    from ray._private.state import actors  # GCS view; needs no dashboard
+
+    return len([a for a in actors().values() if a["State"] != "DEAD"])
+
+
+def test_node_loss_shrinks_then_grows_back_and_resumes(local_cluster, restore_nodes, run_dir):
+    cfg = {"total_steps": 150, "checkpoint_every": 5, "step_sleep_s": 0.05}
+    trainer = _trainer(run_dir, "loss", cfg, checkpoint_config=CheckpointConfig(num_to_keep=3))
+    th = FitThread(trainer)
+    th.start()
+    w = RunWatcher(os.path.join(run_dir, "loss"))
+    killed = kill_node_at(local_cluster, w, 12)
+    w.wait_for_event(EventKind.FIRST_STEP, 90, count=2)
+    local_cluster.add_node()
+    result = th.wait(240)
+
+    assert result.error is None
+    assert result.world_sizes == [3, 2, 3]
+    assert result.metrics["step"] == 150
+    assert result.return_value == {"rank": 0, "final_step": 150}
+    events = load_events(result.path)
+    lost = [e for e in events if e["kind"] == "worker_lost"]
+    assert [e["node_id"] for e in lost] == [killed]
+    assert lost[0]["cause"] == "node_lost"
+    # The shrunk group resumed from the last checkpoint committed before the loss.
+    resize = next(e for e in events if e["kind"] == "resize" and not e["graceful"])
+    committed_before = [e["index"] for e in events
+                        if e["kind"] == "checkpoint_committed" and e["ts"] <= resize["ts"]]
+    assert resize["restore_index"] == max(committed_before)
+    assert resize["restore_index"] % 5 == 0 and resize["lost_steps"] < 5 + 3
+    # Metrics cover every step once per group; steps after the restore point re-run.
+    steps = [m["index"] for m in w.metrics()]
+    assert set(steps) == set(range(1, 151))
+    # Survivors were reused (warm), not recreated: only the lost worker got replaced.
+    formed = [e for e in events if e["kind"] == "group_formed"]
+    assert set(formed[1]["nodes"]) < set(formed[0]["nodes"])
+    assert killed not in formed[2]["nodes"]
+
+
+def test_starts_with_min_workers_when_max_is_not_available(local_cluster, run_dir):
+    # 3 nodes, max 5: start at 3 at once instead of waiting for 5.
+    result = _trainer(run_dir, "partial", {"total_steps": 5}, min_w=2, max_w=5).fit()
+    assert result.world_sizes == [3]
+    assert result.metrics["world_size"] == 3
+
+
+def test_real_failures_use_the_failure_budget(local_cluster, run_dir):
+    cfg = {"total_steps": 12, "fail_at_step": 6, "fail_rank": 1}
+    with pytest.raises(TrainingFailedError) as e:
+        _trainer(run_dir, "fail0", cfg, failure_config=FailureConfig(max_failures=0)).fit()
+    text = str(e.value)
+    assert "max_failures=0" in text and "[rank 1]: error: ValueError: injected failure at step 6" in text
+    assert e.value.failures[0].traceback  # the user's traceback travels with it
+
+    result = _trainer(run_dir, "fail1", cfg, failure_config=FailureConfig(max_failures=1)).fit()
+    assert result.metrics["step"] == 12 and result.restarts == 1
+    assert result.world_sizes == [3, 3]
+
+
+def test_crashed_worker_process_counts_as_a_failure(local_cluster, run_dir):
+    cfg = {"total_steps": 400, "step_sleep_s": 0.05, "checkpoint_every": 5}
+    th = FitThread(_trainer(run_dir, "crash", cfg, failure_config=FailureConfig(max_failures=0)))
+    th.start()
+    w = RunWatcher(os.path.join(run_dir, "crash"))
+    w.wait_for_index(5, 120)
+    kill_worker_process(w.current_group()["pids"][1])
+    with pytest.raises(TrainingFailedError, match="max_failures=0"):
+        th.wait(120)
+
+
+def test_capacity_wait_is_bounded(local_cluster, run_dir):
+    trainer = ElasticTrainer(
+        ddp_regression, train_loop_config={"total_steps": 2},
+        scaling_config=ScalingConfig(min_workers=5, max_workers=5, max_wait_s=3),
+        run_config=RunConfig(name="short", storage_path=run_dir, verbose=False),
+    )
+    with pytest.raises(InsufficientCapacityError, match="min_workers=5"):
+        trainer.fit()
+    assert _actor_count() == 0
+
+
+def test_bad_input_rejected_before_any_actor(local_cluster, run_dir):
+    before = _actor_count()
+    with pytest.raises(ConfigError, match="no node in the cluster offers"):
+        ElasticTrainer(ddp_regression, scaling_config=ScalingConfig(resources_per_worker={"CPU": 1, "tpu_v9": 1}),
+                       run_config=RunConfig(storage_path=run_dir)).fit()
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(ConfigError, match="train_loop_config cannot be pickled"):
+        ElasticTrainer(ddp_regression, train_loop_config={"lock": lock})
+    with pytest.raises(ConfigError, match="train_func must be a callable"):
+        ElasticTrainer(42)  # type: ignore[arg-type]
+    assert _actor_count() == before
+
+
+def test_ray_trains_shipped_linear_example_runs_unchanged(local_cluster, run_dir):
+    from ray.train.examples.pytorch.torch_linear_example import train_func
+
+    result = ElasticTrainer(
+        train_func, train_loop_config={"lr": 1e-2, "hidden_size": 1, "batch_size": 4, "epochs": 3},
+        scaling_config=ScalingConfig(min_workers=2, max_workers=3),
+        run_config=RunConfig(name="linear", storage_path=run_dir, verbose=False),
+    ).fit()
+    assert result.error is None
+    assert len(result.return_value) == 3 and result.return_value[-1]["loss"] < result.return_value[0]["loss"]
+    assert result.checkpoint is not None
+    with result.checkpoint.as_directory() as d:
+        assert os.path.exists(os.path.join(d, "model.pt"))
+
+
+def test_fit_again_resumes_from_the_last_committed_checkpoint(local_cluster, run_dir):
+    first = _trainer(run_dir, "again", {"total_steps": 6}).fit()
+    assert first.metrics["step"] == 6
+    second = _trainer(run_dir, "again", {"total_steps": 9}).fit()
+    events = load_events(second.path)
+    restored = [e for e in events if e["kind"] == "checkpoint_restored"]
+    assert restored and restored[-1]["index"] == 6
+    assert second.metrics["step"] == 9
+    assert ray.is_initialized()
