@@ -1,37 +1,48 @@
 """raylastic: elastic, fault-tolerant distributed PyTorch training on Ray.
 
-The public API is what ``__all__`` lists; everything else may change.
+The public API is what ``__all__`` lists; everything else may change. Names are
+imported lazily so that light entry points (``torchrun --rdzv-backend=azure-table``,
+``raylastic report``) do not pay for importing Ray Train and torch.
 """
 
-from ray.train import Checkpoint
+from __future__ import annotations
 
-from raylastic.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from raylastic.errors import (
-    ConfigError,
-    InsufficientCapacityError,
-    RaylasticError,
-    TrainingAborted,
-    TrainingFailedError,
-)
-from raylastic.session import get_checkpoint, get_context, report
-from raylastic.trainer import ElasticTrainer, Result
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Checkpoint",
-    "CheckpointConfig",
-    "ConfigError",
-    "ElasticTrainer",
-    "FailureConfig",
-    "InsufficientCapacityError",
-    "RaylasticError",
-    "Result",
-    "RunConfig",
-    "ScalingConfig",
-    "TrainingAborted",
-    "TrainingFailedError",
-    "get_checkpoint",
-    "get_context",
-    "report",
-]
+_EXPORTS = {
+    "Checkpoint": "ray.train",
+    "CheckpointConfig": "raylastic.config",
+    "FailureConfig": "raylastic.config",
+    "RunConfig": "raylastic.config",
+    "ScalingConfig": "raylastic.config",
+    "ConfigError": "raylastic.errors",
+    "InsufficientCapacityError": "raylastic.errors",
+    "RaylasticError": "raylastic.errors",
+    "TrainingAborted": "raylastic.errors",
+    "TrainingFailedError": "raylastic.errors",
+    "get_checkpoint": "raylastic.session",
+    "get_context": "raylastic.session",
+    "report": "raylastic.session",
+    "ElasticTrainer": "raylastic.trainer",
+    "Result": "raylastic.trainer",
+}
+_SUBMODULES = {"data", "testing", "sim"}
+
+__all__ = sorted(_EXPORTS) + ["data"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"raylastic.{name}")
+    raise AttributeError(f"module 'raylastic' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

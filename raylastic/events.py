@@ -28,6 +28,7 @@ class EventKind(str, enum.Enum):
     CAPACITY_WAIT = "capacity_wait"  # fewer than min_workers placeable
     WORKER_READY = "worker_ready"
     WORKER_LOST = "worker_lost"  # actor died (node loss, preemption, crash)
+    WORKER_RELEASED = "worker_released"  # run ended; the worker's slot is given back
     GROUP_FORMED = "group_formed"  # new membership epoch, ranks assigned
     TRAINING_STARTED = "training_started"  # train function entered on every rank
     FIRST_STEP = "first_step"  # first report of an epoch received

@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from integration.storage_fixtures import *  # noqa: F401,F403  (SeaweedFS/Azurite storage fixtures)
+
 
 def pytest_collection_modifyitems(config, items):
     try:

@@ -11,10 +11,17 @@ Credentials come only from the environment (or the cloud SDK's default chain), n
 the URI: a ``Storage`` is pickled to Ray workers as its URI, so anything in the URI would
 travel in plain text through the object store and into logs.
 
+S3: ``s3://bucket/prefix``; the endpoint comes from ``?endpoint_override=`` or
+AWS_ENDPOINT_URL(_S3), credentials from the AWS chain (AWS_ACCESS_KEY_ID/...). For
+S3-compatible stores also set AWS_REQUEST_CHECKSUM_CALCULATION=when_required and
+AWS_RESPONSE_CHECKSUM_VALIDATION=when_required (they reject the SDK's default checksums).
+
 Azure: ``abfs://``/``az://`` go through adlfs wrapped in ``PyFileSystem(FSSpecHandler)``.
 Credential order: AZURE_STORAGE_CONNECTION_STRING; AZURE_STORAGE_ACCOUNT_NAME +
 AZURE_STORAGE_ACCOUNT_KEY; AZURE_STORAGE_ACCOUNT_NAME + AZURE_STORAGE_SAS_TOKEN; else
 DefaultAzureCredential with AZURE_STORAGE_ACCOUNT_NAME (or the account named in the URI).
+Only a connection string can name a custom endpoint (e.g. Azurite); the other sources
+talk to https://ACCOUNT.blob.core.windows.net.
 
 GCS: ``gs://`` uses pyarrow's GcsFileSystem and its default chain
 (GOOGLE_APPLICATION_CREDENTIALS, gcloud, metadata server). Only parsing is tested here: no
@@ -23,6 +30,7 @@ local GCS server is available to the test suite.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -48,6 +56,7 @@ __all__ = [
     "select_azure_credentials",
 ]
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 ErrorKind = Literal["transient", "permanent"]
 _CHUNK = 8 * 1024 * 1024
@@ -209,7 +218,10 @@ def retry_call(fn: Callable[[], T], policy: RetryPolicy, *, what: str = "storage
                 raise
             kind = classify_error(exc)
             if kind == "transient" and attempt < policy.max_attempts:
-                sleep(policy.delay(attempt, rand))
+                delay = policy.delay(attempt, rand)
+                logger.warning("%s: attempt %d/%d failed, retrying in %.2fs: %s", what, attempt,
+                               policy.max_attempts, delay, _summarise(exc, secrets, 200))
+                sleep(delay)
                 continue
             detail = _summarise(exc, secrets)
             if kind == "transient":
@@ -445,13 +457,16 @@ def _bound_azure_sdk_retries(afs) -> None:
     if policy is not None:
         for attr, value in (("total_retries", 1), ("connect_retries", 1), ("read_retries", 1),
                             ("status_retries", 1), ("initial_backoff", 0.2),
-                            ("increment_base", 1), ("random_jitter_range", 0.1)):
+                            ("increment_base", 0), ("random_jitter_range", 0.1)):
             if hasattr(policy, attr):
                 setattr(policy, attr, value)
 
 
 def _azure_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
-    from adlfs import AzureBlobFileSystem
+    try:
+        from adlfs import AzureBlobFileSystem
+    except ImportError as exc:
+        raise ValueError(f"{exc}; install the Azure extra: pip install 'raylastic[azure]'") from None
 
     creds = select_azure_credentials(env, p.account)
     kwargs = dict(creds.kwargs)
@@ -496,6 +511,8 @@ class Storage:
 
     def __init__(self, uri: str, *, retry: RetryPolicy | None = None,
                  create_container: bool = False) -> None:
+        """A malformed URI raises ValueError; unusable credentials PermanentStorageError.
+        Credentials are read from os.environ here (and again wherever it is unpickled)."""
         parsed = parse_uri(uri)
         self.uri: str = parsed.uri
         self.retry: RetryPolicy = retry or RetryPolicy()

@@ -20,6 +20,8 @@ import torch
 
 __all__ = ["loss_weight", "maybe_no_sync", "scale_loss"]
 
+_NO_OP = contextlib.nullcontext()  # stateless and reusable
+
 
 def loss_weight(num_samples_in_micro: int, global_batch_size: int, world_size: int) -> float:
     """Weight ``m * W / G`` for a micro-batch whose loss is a per-sample mean."""
@@ -46,10 +48,10 @@ def maybe_no_sync(model: Any, enabled: bool) -> ContextManager[Any]:
     Use it for every micro-batch but the last of a step, so gradients are all-reduced once per
     step. Forward and backward must both run inside the context.
     """
+    if not enabled:  # the common last-micro-batch case skips the attribute lookup
+        return _NO_OP
     no_sync = getattr(model, "no_sync", None)
-    if enabled and callable(no_sync):
-        return no_sync()
-    return contextlib.nullcontext()
+    return no_sync() if callable(no_sync) else _NO_OP
 
 
 def micro_weights(

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+# Import from submodules only: torch loads this module (entry point) while its
+# torch.distributed.elastic.rendezvous package is still initialising.
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -30,15 +31,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as _dynamic_handler
 
-from raylastic.rendezvous._table import (
-    RetrySettings,
-    TableOps,
-    pack_chunks,
-    parse_endpoint,
-    partition_key,
-    resolve_credential,
-    unpack_chunks,
-)
+from raylastic.rendezvous._endpoint import parse_endpoint, resolve_credential
+from raylastic.rendezvous._table import RetrySettings, TableOps, pack_chunks, partition_key, unpack_chunks
 from raylastic.rendezvous.azure_store import AzureTableStore
 
 __all__ = [

@@ -19,7 +19,8 @@ from collections import defaultdict
 from datetime import datetime, timedelta, timezone
 from typing import Optional, Sequence
 
-from raylastic.rendezvous._table import TableOps, parse_endpoint, partition_key, resolve_credential
+from raylastic.rendezvous._endpoint import parse_endpoint, resolve_credential
+from raylastic.rendezvous._table import TableOps, partition_key
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 

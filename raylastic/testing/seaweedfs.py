@@ -234,8 +234,11 @@ class SeaweedS3:
         except OSError:
             return "<no log>"
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Kill the server's process group (data on disk survives for ``start()``)."""
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Kill the server's process group (data on disk survives for ``start()``).
+
+        ``weed`` takes ~15 s to shut down gracefully; after ``grace_s`` it is killed, which
+        is a crash as far as the server knows, so a restart also exercises its recovery."""
         if self._proc is not None:
             _kill_group(self._proc, grace_s)
             self._proc = None

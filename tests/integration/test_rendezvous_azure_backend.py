@@ -15,7 +15,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
 
 from raylastic.rendezvous import AzureTableRendezvousBackend, create_backend, create_handler
-from raylastic.rendezvous._table import CHUNK_BYTES, MAX_CHUNKS, RetrySettings, TableOps, parse_endpoint
+from raylastic.rendezvous._endpoint import parse_endpoint
+from raylastic.rendezvous._table import CHUNK_BYTES, MAX_CHUNKS, RetrySettings, TableOps
 from raylastic.rendezvous.cleanup import cleanup, main as cleanup_main
 from raylastic.testing.azurite import Azurite, find_azurite
 

@@ -10,16 +10,14 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
 from raylastic.rendezvous import AzureTableSettings
+from raylastic.rendezvous._endpoint import DEFAULT_TABLE, parse_endpoint, resolve_credential
 from raylastic.rendezvous._table import (
     CHUNK_BYTES,
-    DEFAULT_TABLE,
     MAX_CHUNKS,
     RetrySettings,
     pack_chunks,
-    parse_endpoint,
     partition_key,
     redact,
-    resolve_credential,
     unpack_chunks,
 )
 from raylastic.rendezvous.cleanup import parse_age

@@ -144,6 +144,7 @@ def test_aws_and_gcs_credential_sources_are_named_not_shown():
     ("abfs://ckpt/run", {"AZURE_STORAGE_CONNECTION_STRING": CONN}),
     ("az://ckpt/run", {"AZURE_STORAGE_ACCOUNT_NAME": "a1", "AZURE_STORAGE_ACCOUNT_KEY": SECRET}),
     ("abfs://ckpt/run", {"AZURE_STORAGE_ACCOUNT_NAME": "a1", "AZURE_STORAGE_SAS_TOKEN": SECRET}),
+    ("abfs://ckpt@a1.dfs.core.windows.net/run", {"AZURE_STORAGE_CLIENT_SECRET": SECRET}),
     ("gs://bkt/run?anonymous=true", {"GOOGLE_APPLICATION_CREDENTIALS": "/nonexistent.json"}),
 ])
 def test_no_secret_in_uri_repr_target_or_pickle(monkeypatch, uri, env):

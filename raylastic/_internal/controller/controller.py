@@ -113,13 +113,18 @@ class Controller:
                     self._abort_all("stop requested (Ctrl-C or shutdown)")
                     self._set_state(Errored(TrainingAborted("training was interrupted")))
                     break
-                self._pool.refresh()
+                for h in self._pool.refresh():
+                    self._events.emit(EventKind.WORKER_READY, wid=h.wid, node_id=h.node_id,
+                                      node_type=h.info.get("node_type"), market=h.info.get("market"))
                 self._pool.fill()
                 self._set_state(self._step(self._state))
         except BaseException as e:  # noqa: BLE001 - never leave workers behind
             logger.exception("controller crashed")
             self._set_state(Errored(e), check=False)
         finally:
+            for h in list(self._pool.workers.values()):
+                if h.ready:
+                    self._events.emit(EventKind.WORKER_RELEASED, wid=h.wid, node_id=h.node_id)
             self._pool.shutdown()
         return self._outcome()
 
@@ -328,7 +333,7 @@ class Controller:
             kind = "node_lost" if m in node_lost else "crash"
             failures.append(RankFailure(m.prev_rank, st.epoch, kind, _cause_text(causes.get(m.wid))))
             self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} on node {m.node_id[:8]} lost ({kind})",
-                              epoch=st.epoch, rank=m.prev_rank, node_id=m.node_id, cause=kind,
+                              epoch=st.epoch, rank=m.prev_rank, node_id=m.node_id, cause=kind, wid=m.wid,
                               last_index=st.last_index.get(m.wid, 0))
             self._pool.remove(m, kill=True)
         kind = FailureKind.NODE_LOST if node_lost else FailureKind.ERROR
@@ -450,7 +455,7 @@ class Controller:
 
     def _replace(self, m: WorkerHandle, why: str) -> None:
         self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} {why}; replacing it",
-                          rank=m.prev_rank, node_id=m.node_id, cause="hung")
+                          rank=m.prev_rank, node_id=m.node_id, cause="hung", wid=m.wid)
         self._pool.remove(m, kill=True)
 
     def _abort_all(self, reason: str) -> None:

@@ -67,8 +67,11 @@ class TrainWorker:
     # -- identity ------------------------------------------------------------------
     def info(self) -> Dict[str, Any]:
         ctx = ray.get_runtime_context()
+        node_type, market = _node_type(ctx.get_node_id())
         return {
             "node_id": ctx.get_node_id(),
+            "node_type": node_type,
+            "market": market,
             "ip": ray.util.get_node_ip_address(),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
@@ -168,6 +171,21 @@ class TrainWorker:
             if thread.is_alive():
                 return False
         return True
+
+
+def _node_type(node_id: str):
+    """The node type (custom resource ``node_type:<name>``) and market (label
+    ``raylastic.io/market``) of a node; ("default", None) when it carries neither."""
+    from raylastic.policies.node_types import MARKET_LABEL, NODE_TYPE_LABEL, RESOURCE_PREFIX
+
+    for n in ray.nodes():
+        if n.get("NodeID") != node_id:
+            continue
+        labels = n.get("Labels") or {}
+        names = [k[len(RESOURCE_PREFIX):] for k in n.get("Resources", {}) if k.startswith(RESOURCE_PREFIX)]
+        name = labels.get(NODE_TYPE_LABEL) or (names[0] if names else "default")
+        return name, labels.get(MARKET_LABEL)
+    return "default", None
 
 
 def _call(train_func: Callable, config: Optional[Dict[str, Any]]) -> Any:

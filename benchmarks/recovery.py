@@ -1,0 +1,260 @@
+"""Recovery benchmark: raylastic vs Ray Train's elastic TorchTrainer vs plain torch DDP.
+
+Same local multi-node cluster (head without CPUs + 3 one-CPU worker nodes, the same
+fast GCS failure detection for both), same train function (written against Ray Train's
+API, see ``raylastic.testing.train_funcs.mlp_bench``), same schedule:
+
+  start (min 2, max 3 workers) -> at step K remove a worker node (unannounced)
+  -> after M steps on the smaller group add a node back -> run until a group of 3 has
+  trained M steps -> stop.
+
+Rank 0 of either framework appends (wall time, step, world size) per step to one file,
+and every number below is computed from that file and the driver's own timestamps:
+
+- fit_to_first_step_s: fit() called -> first step completed
+- node_loss_to_next_step_s: node removed -> next step completed (on the smaller group)
+- steps_lost_on_loss: steps trained before the loss that had to be trained again
+- node_added_to_first_step_s: node added -> first step completed by a group using it
+- steps_lost_on_grow: steps re-trained because of the scale-up
+- steady_step_s: median step time at world size 3 before the loss
+- plain torch DDP: median step time of the same model/batch in 3 gloo processes
+
+Writes benchmarks/results/recovery.json. Usage: python benchmarks/recovery.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Dict, List
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _read_log(path: str) -> List[Dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            if line.endswith("\n"):
+                out.append(json.loads(line))
+    return out
+
+
+def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def run_schedule(cluster, fit: Callable[[], Any], log_path: str, stop_path: str,
+                 kill_at: int, steps_between: int, timeout_s: float = 300) -> Dict[str, Any]:
+    """Drive one framework through the schedule; return the measured numbers."""
+    box: Dict[str, Any] = {}
+
+    def target():
+        try:
+            box["result"] = fit()
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    t_fit = time.time()
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    log = lambda: _read_log(log_path)  # noqa: E731
+    _wait(lambda: any(r["step"] >= kill_at for r in log()), timeout_s, f"step {kill_at}")
+    t_kill = time.time()
+    cluster.remove_node(cluster.worker_nodes[-1])
+    # The next completed step is the first one by the smaller group: a step of the old
+    # group may still complete between the kill and its detection.
+    small = _wait(lambda: [r for r in log() if r["t"] > t_kill and r["world"] == 2], timeout_s,
+                  "a step on the smaller group")
+    first_small = small[0]
+    _wait(lambda: len([r for r in log() if r["t"] > first_small["t"]]) >= steps_between, timeout_s,
+          "steps on the smaller group")
+    t_add = time.time()
+    cluster.add_node()
+    grown = _wait(lambda: [r for r in log() if r["t"] > t_add and r["world"] == 3], timeout_s, "a step at world size 3")
+    first_grown = grown[0]
+    _wait(lambda: len([r for r in log() if r["t"] > first_grown["t"]]) >= steps_between, timeout_s, "steps on the regrown group")
+    open(stop_path, "w").close()
+    th.join(timeout_s)
+    if th.is_alive():
+        raise TimeoutError("fit() did not return after the stop flag")
+    if "error" in box:
+        raise box["error"]
+    rows = log()
+    before_kill = [r for r in rows if r["t"] <= t_kill]
+    steady = [r for r in before_kill if r["world"] == 3]
+    dts = [b["t"] - a["t"] for a, b in zip(steady, steady[1:]) if b["step"] == a["step"] + 1]
+    first = rows[0]
+    return {
+        "fit_to_first_step_s": round(first["t"] - t_fit, 3),
+        "node_loss_to_next_step_s": round(first_small["t"] - t_kill, 3),
+        "steps_lost_on_loss": _redone(rows, first_small),
+        "node_added_to_first_step_s": round(first_grown["t"] - t_add, 3),
+        "steps_lost_on_grow": _redone(rows, first_grown),
+        "steady_step_s": round(statistics.median(dts), 5) if dts else None,
+        "world_sizes_seen": _runs([r["world"] for r in rows]),
+        "total_steps_logged": len(rows),
+    }
+
+
+def _redone(rows: List[Dict[str, Any]], first_of_group: Dict[str, Any]) -> int:
+    """Steps completed before a new group's first step that it had to train again."""
+    reached = max(r["step"] for r in rows if r["t"] < first_of_group["t"])
+    return max(0, reached - (first_of_group["step"] - 1))
+
+
+def _runs(values: List[int]) -> List[int]:
+    out: List[int] = []
+    for v in values:
+        if not out or out[-1] != v:
+            out.append(v)
+    return out
+
+
+def run_raylastic(cluster, cfg: Dict[str, Any], storage: str) -> Callable[[], Any]:
+    from raylastic import ElasticTrainer, RunConfig, ScalingConfig
+    from raylastic.testing.train_funcs import mlp_bench
+
+    trainer = ElasticTrainer(
+        mlp_bench, train_loop_config=cfg,
+        scaling_config=ScalingConfig(min_workers=2, max_workers=3),
+        run_config=RunConfig(name="bench_raylastic", storage_path=storage, verbose=False),
+    )
+    return trainer.fit
+
+
+def run_ray_train(cluster, cfg: Dict[str, Any], storage: str) -> Callable[[], Any]:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from raylastic.testing.train_funcs import mlp_bench
+
+    trainer = TorchTrainer(
+        mlp_bench, train_loop_config=cfg,
+        scaling_config=ray.train.ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1}),
+        run_config=ray.train.RunConfig(name="bench_ray_train", storage_path=storage,
+                                       failure_config=ray.train.FailureConfig(max_failures=-1)),
+    )
+    return trainer.fit
+
+
+def _ddp_worker(rank: int, world: int, port: int, cfg: Dict[str, Any], steps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    hidden, layers, dim, batch = cfg["hidden"], cfg["layers"], cfg["dim"], cfg["batch"]
+    torch.manual_seed(0)
+    mods = [nn.Linear(dim, hidden), nn.ReLU()]
+    for _ in range(layers - 1):
+        mods += [nn.Linear(hidden, hidden), nn.ReLU()]
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(*mods, nn.Linear(hidden, 1)))
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(step * 7919 + rank)
+        x = torch.randn(batch, dim, generator=g)
+        loss = nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).sin())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump(times, fh)
+    dist.destroy_process_group()
+
+
+def run_plain_ddp(cfg: Dict[str, Any], world: int = 3, steps: int = 200) -> Dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tempfile.mktemp(suffix=".json")
+    mp.spawn(_ddp_worker, args=(world, port, cfg, steps, out), nprocs=world, join=True)
+    times = json.load(open(out))[20:]
+    return {"steady_step_s": round(statistics.median(times), 5), "world_size": world, "steps": steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--skip-ray-train", action="store_true")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "recovery.json"))
+    args = ap.parse_args()
+    # Ray Train's report() blocks until its controller polls; give it the same 0.1 s
+    # cadence raylastic's controller polls at (its default is 2 s: 2 s per step).
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+
+    from raylastic.testing.cluster import FAST_FAILURE_DETECTION, LocalCluster
+
+    kill_at, between = (15, 10) if args.quick else (30, 20)
+    model = {"hidden": args.hidden, "layers": args.layers, "dim": 64, "batch": 32}
+    results: Dict[str, Any] = {
+        "benchmark": "recovery",
+        "schedule": {"min_workers": 2, "max_workers": 3, "kill_at_step": kill_at,
+                     "steps_between_events": between, "checkpoint_every": 10},
+        "model": model,
+        "cluster": "ray.cluster_utils.Cluster: head (0 CPU) + 3 x 1-CPU worker nodes on one machine",
+        "failure_detection": FAST_FAILURE_DETECTION,
+        "ray_train_env": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+    }
+    import ray
+    import torch
+
+    results["versions"] = {"ray": ray.__version__, "torch": torch.__version__}
+    runners = [("raylastic", run_raylastic)]
+    if not args.skip_ray_train:
+        runners.append(("ray_train", run_ray_train))
+    for name, make in runners:
+        with tempfile.TemporaryDirectory() as tmp, LocalCluster(num_nodes=3) as cluster:
+            cfg = dict(model, checkpoint_every=10, log_path=os.path.join(tmp, "steps.jsonl"),
+                       stop_path=os.path.join(tmp, "stop"))
+            fit = make(cluster, cfg, os.path.join(tmp, "storage"))
+            print(f"== {name}", flush=True)
+            results[name] = run_schedule(cluster, fit, cfg["log_path"], cfg["stop_path"], kill_at, between)
+            print(json.dumps(results[name], indent=1), flush=True)
+    results["plain_ddp"] = run_plain_ddp(model)
+    print("== plain_ddp", json.dumps(results["plain_ddp"]), flush=True)
+    if "ray_train" in results:
+        rl, rt = results["raylastic"], results["ray_train"]
+        results["ratios_raylastic_over_ray_train"] = {
+            k: round(rl[k] / rt[k], 4) for k in
+            ("node_loss_to_next_step_s", "node_added_to_first_step_s", "fit_to_first_step_s", "steady_step_s")
+            if rl.get(k) and rt.get(k)
+        }
+    if results["raylastic"].get("steady_step_s"):
+        results["raylastic_steady_over_plain_ddp"] = round(
+            results["raylastic"]["steady_step_s"] / results["plain_ddp"]["steady_step_s"], 4)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
