@@ -130,3 +130,66 @@ def mlp_bench(config: Dict[str, Any]) -> None:
             ray.train.report(metrics)
         if stop.item() > 0:
             break
+
+
+def elastic_mlp(config: Dict[str, Any]) -> None:
+    """A tiny MLP on a synthetic map-style dataset through ``ElasticDataLoader`` with
+    the ``fixed`` batch policy; checkpoints weights, optimizer AND loader position.
+
+    Used by the exactly-once and equivalence tests: every rank appends the sample
+    indices it trained per global step to ``index_log_dir/rank-<membership epoch>-<rank>.jsonl``
+    and rank 0 saves the final weights to ``weights_out``.
+
+    A checkpoint is reported every step. config: n (600), global_batch (48),
+    micro_batch (8), epochs (4), step_sleep_s (0), lr (0.05), seed (0), index_log_dir,
+    weights_out.
+    """
+    import json
+
+    from raylastic.data import ElasticDataLoader
+
+    n, seed = int(config.get("n", 600)), int(config.get("seed", 0))
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, 16, generator=g)
+    y = (x[:, :4].sum(dim=1, keepdim=True) > 0).float()
+    dataset = torch.utils.data.TensorDataset(x, y)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=float(config.get("lr", 0.05)), momentum=0.9)
+    loader = ElasticDataLoader(dataset, global_batch_size=int(config.get("global_batch", 48)),
+                               micro_batch_size=int(config.get("micro_batch", 8)), shuffle=True, seed=seed)
+    ctx = raylastic.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    ckpt = raylastic.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        loader.load_state_dict(state["loader"])
+    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    log_dir = config.get("index_log_dir")
+    log = open(os.path.join(log_dir, f"rank-{ctx.get_membership_epoch()}-{rank}.jsonl"), "a") if log_dir else None
+    while loader.epoch < int(config.get("epochs", 4)):
+        for batch in loader:
+            opt.zero_grad()
+            for (xb, yb), weight in batch.accumulate(ddp):
+                (nn.functional.binary_cross_entropy_with_logits(ddp(xb), yb) * weight).backward()
+            opt.step()
+            if log is not None:
+                log.write(json.dumps({"m_epoch": ctx.get_membership_epoch(), "rank": rank, "world": world,
+                                      "epoch": batch.epoch, "step": batch.step,
+                                      "indices": list(map(int, batch.indices))}) + "\n")
+                log.flush()
+            if config.get("step_sleep_s"):
+                time.sleep(float(config["step_sleep_s"]))
+            metrics = {"epoch": batch.epoch, "step": batch.step, "world_size": world}
+            with tempfile.TemporaryDirectory() as d:
+                if rank == 0:  # weights, optimizer and the loader's position, together
+                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                                "loader": loader.state_dict()}, os.path.join(d, "state.pt"))
+                raylastic.report(metrics, checkpoint=raylastic.Checkpoint.from_directory(d) if rank == 0 else None)
+    if log is not None:
+        log.close()
+    if rank == 0 and config.get("weights_out"):
+        torch.save(model.state_dict(), config["weights_out"])
