@@ -157,9 +157,13 @@ class CheckpointConfig:
             keeps all. The newest committed checkpoint is never deleted, and an older
             one is only deleted after a newer one is committed, so at least two exist
             while a new one is being written.
+        async_upload: ``report(checkpoint=...)`` returns once the files are copied to
+            local staging (with checksums); the upload runs in the background, at most
+            one pending per worker. ``False`` waits for the upload inside ``report``.
     """
 
     num_to_keep: Optional[int] = None
+    async_upload: bool = True
 
     def __post_init__(self) -> None:
         if self.num_to_keep is not None:

@@ -37,6 +37,7 @@ class EventKind(str, enum.Enum):
     CHECKPOINT_COMMITTED = "checkpoint_committed"
     CHECKPOINT_DELETED = "checkpoint_deleted"
     CHECKPOINT_RESTORED = "checkpoint_restored"
+    CHECKPOINT_INVALID = "checkpoint_invalid"  # committed but damaged: skipped on restore
     RUN_FINISHED = "run_finished"
     RUN_FAILED = "run_failed"
 

@@ -67,8 +67,10 @@ class ReportRecord:
     ts: float
     metrics: Dict[str, Any]
     checkpoint_rel: Optional[str] = None
-    files: List[Any] = field(default_factory=list)  # (relative path, size)
-    upload_s: float = 0.0
+    files: List[Any] = field(default_factory=list)  # (relative path, size, "crc32:...")
+    stage_s: float = 0.0  # time report() spent copying the files locally (the stall)
+    wait_s: float = 0.0  # time report() waited for the previous upload (back-pressure)
+    upload_s: float = 0.0  # background upload time
 
 
 class TrainContext:
@@ -118,8 +120,12 @@ class TrainContext:
 class Session:
     """Per-process state of the running attempt; thread-safe where the actor polls."""
 
-    def __init__(self, *, spec: GroupSpec, storage, run_rel: str, run_name: str, restore: RestoreInfo):
+    def __init__(self, *, spec: GroupSpec, storage, run_rel: str, run_name: str, restore: RestoreInfo,
+                 uploader=None, async_upload: bool = True):
         self.spec = spec
+        self.uploader = uploader
+        self.async_upload = async_upload
+        self._upload_error: Optional[BaseException] = None
         self.storage = storage
         self.run_rel = run_rel
         self.context = TrainContext(spec, run_name, restore.restart_count)
@@ -134,6 +140,7 @@ class Session:
     def report(self, metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
         if self._abort.is_set():
             raise StopTraining("membership change")
+        self.raise_upload_error()
         with self._lock:
             self._index += 1
             index = self._index
@@ -141,25 +148,50 @@ class Session:
             index=index, rank=self.spec.rank, epoch=self.spec.epoch, ts=time.time(),
             metrics=dict(metrics or {}),
         )
-        if checkpoint is not None:
+        if checkpoint is None:
+            self._append(record)
+        else:
             self._persist(checkpoint, record)
         with self._lock:
-            self._records.append(record)
             stop = self._stop_at is not None and index >= self._stop_at
         if stop or self._abort.is_set():
             raise StopTraining(f"stop after report {index}")
 
+    def _append(self, record: ReportRecord) -> None:
+        with self._lock:
+            self._records.append(record)
+
     def _persist(self, checkpoint: Checkpoint, record: ReportRecord) -> None:
+        """Stage the files locally, then upload in the background (or wait, if sync).
+
+        The record reaches the controller only after its upload finished, so the
+        controller can never commit a checkpoint whose files are still in flight.
+        """
         rel = checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
         start = time.perf_counter()
-        try:
-            with checkpoint.as_directory() as local_dir:
-                record.files = self.storage.upload_dir(local_dir, rel)
-        except Exception as e:  # noqa: BLE001 - surfaced as a worker failure
-            raise CheckpointError(f"rank {self.spec.rank}: could not persist checkpoint "
-                                  f"{record.index} to {self.storage.uri}/{rel}: {e}") from e
-        record.checkpoint_rel = rel
-        record.upload_s = time.perf_counter() - start
+        with checkpoint.as_directory() as local_dir:
+            staged, files = self.uploader.stage(local_dir, f"e{self.spec.epoch}-{record.index}-r{self.spec.rank}")
+        record.stage_s = time.perf_counter() - start
+        record.checkpoint_rel, record.files = rel, [list(f) for f in files]
+
+        def done(res) -> None:
+            record.upload_s = res.upload_s
+            if res.error is not None:
+                self._upload_error = CheckpointError(
+                    f"rank {self.spec.rank}: could not persist checkpoint {record.index} to "
+                    f"{self.storage.uri}/{rel}: {res.error}")
+            else:
+                self._append(record)
+
+        record.wait_s = self.uploader.submit(staged, files, rel, done)
+        if not self.async_upload:
+            self.uploader.wait()
+            self.raise_upload_error()
+
+    def raise_upload_error(self) -> None:
+        if self._upload_error is not None:
+            err, self._upload_error = self._upload_error, None
+            raise err
 
     def get_checkpoint(self) -> Optional[Checkpoint]:
         if self.restore.checkpoint_rel is None:

@@ -50,6 +50,7 @@ class CheckpointManager:
         self._num_to_keep = num_to_keep
         self._events = events
         self._pending: Dict[int, Dict[int, ReportRecord]] = {}
+        self._writers_this_epoch: Optional[set] = None  # ranks whose files the epoch's commits had
         self._epoch = -1
         self._world_size = 0
         self._committed: List[CommittedCheckpoint] = self.scan()
@@ -89,6 +90,36 @@ class CheckpointManager:
     def latest(self) -> Optional[CommittedCheckpoint]:
         return self._committed[-1] if self._committed else None
 
+    def latest_valid(self) -> Optional[CommittedCheckpoint]:
+        """Newest committed checkpoint whose files are all there with their manifest
+        sizes; a damaged one (files deleted or truncated behind our back) is skipped
+        with an event and the previous one is used."""
+        for ckpt in reversed(self._committed):
+            problem = self._verify(ckpt)
+            if problem is None:
+                return ckpt
+            self._events.emit(EventKind.CHECKPOINT_INVALID,
+                              f"checkpoint {ckpt.index} is damaged ({problem}); trying an older one",
+                              index=ckpt.index, path=ckpt.rel, problem=problem)
+        return None
+
+    def _verify(self, ckpt: CommittedCheckpoint) -> Optional[str]:
+        import pyarrow.fs as pafs
+
+        if not ckpt.files:
+            return None
+        try:
+            infos = self._storage.fs.get_file_info([self._storage.path(ckpt.rel, f[0]) for f in ckpt.files])
+        except Exception as e:  # noqa: BLE001 - unreadable now: let the load itself fail loudly
+            logger.warning("could not verify checkpoint %s: %s", ckpt.rel, e)
+            return None
+        for f, info in zip(ckpt.files, infos):
+            if info.type != pafs.FileType.File:
+                return f"{f[0]} missing"
+            if info.size != int(f[1]):
+                return f"{f[0]} has {info.size} bytes, manifest says {f[1]}"
+        return None
+
     @property
     def committed(self) -> List[CommittedCheckpoint]:
         return list(self._committed)
@@ -97,6 +128,7 @@ class CheckpointManager:
     def begin_epoch(self, epoch: int, world_size: int) -> None:
         """A new group forms: reports of the old epoch can no longer complete."""
         self._pending.clear()
+        self._writers_this_epoch = None
         self._epoch = epoch
         self._world_size = world_size
         self.delete_uncommitted()
@@ -115,10 +147,34 @@ class CheckpointManager:
                     committed.append(ckpt)
         return committed
 
-    def _commit(self, index: int, by_rank: Dict[int, ReportRecord]) -> Optional[CommittedCheckpoint]:
+    def commit_after_loss(self, lost_ranks: List[int]) -> List[CommittedCheckpoint]:
+        """Ranks died before their report of an index reached us. If every survivor
+        reported it and, in this epoch's earlier commits, the lost ranks never wrote
+        checkpoint files (plain DDP: rank 0 writes, others pass None), the lost ranks had
+        nothing to add: commit instead of throwing the steps away. Sharded checkpoints,
+        where every rank writes, still need every rank."""
+        lost = set(lost_ranks)
+        if self._writers_this_epoch is None or self._writers_this_epoch & lost:
+            return []
+        survivors = set(range(self._world_size)) - lost
+        committed = []
+        for index in sorted(self._pending):
+            by_rank = self._pending[index]
+            writers = {r for r, rec in by_rank.items() if rec.checkpoint_rel}
+            if survivors <= set(by_rank) and self._writers_this_epoch <= writers:
+                del self._pending[index]
+                ckpt = self._commit(index, by_rank, inferred=sorted(lost))
+                if ckpt is not None:
+                    committed.append(ckpt)
+        return committed
+
+    def _commit(self, index: int, by_rank: Dict[int, ReportRecord],
+                inferred: Optional[List[int]] = None) -> Optional[CommittedCheckpoint]:
         with_ckpt = [r for r in by_rank.values() if r.checkpoint_rel]
         if not with_ckpt:
             return None
+        writers = {r.rank for r in with_ckpt}
+        self._writers_this_epoch = writers if self._writers_this_epoch is None else self._writers_this_epoch | writers
         rel = with_ckpt[0].checkpoint_rel
         files = sorted({tuple(f) for r in with_ckpt for f in r.files})
         rank0 = by_rank.get(0) or with_ckpt[0]
@@ -129,11 +185,14 @@ class CheckpointManager:
         manifest = {"schema_version": SCHEMA_VERSION, **asdict(ckpt)}
         manifest.pop("rel")
         manifest["ranks_with_files"] = sorted(r.rank for r in with_ckpt)
+        if inferred:
+            manifest["ranks_lost_before_reporting"] = inferred
         self._storage.write_bytes(f"{rel}/{MANIFEST}", json.dumps(manifest, default=str).encode())
         self._committed.append(ckpt)
         self._events.emit(
             EventKind.CHECKPOINT_COMMITTED, index=index, epoch=self._epoch, path=rel,
             bytes=ckpt.num_bytes, world_size=self._world_size,
+            stage_s=max(r.stage_s for r in with_ckpt), wait_s=max(r.wait_s for r in with_ckpt),
             upload_s=max(r.upload_s for r in with_ckpt),
         )
         self._retain()

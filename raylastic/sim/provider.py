@@ -34,7 +34,10 @@ from typing import Any, Dict, Mapping, Optional, Set
 
 import ray
 import ray._private.ray_constants as ray_constants
-from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
+from ray.autoscaler._private.fake_multi_node.node_provider import (
+    FAKE_HEAD_NODE_ID,
+    FakeMultiNodeProvider,
+)
 from ray.autoscaler.node_launch_exception import NodeLaunchException
 from ray.autoscaler.tags import (
     NODE_KIND_WORKER,
@@ -52,6 +55,7 @@ CONTROL_FILE = "control.json"
 EVENTS_FILE = "events.jsonl"
 POLL_S = 0.05
 PROVIDER_MODULE = "raylastic.sim.provider.SpotSimProvider"
+HEAD_NODE_ID = FAKE_HEAD_NODE_ID  # the head is started under this id so the provider knows it
 
 
 def write_control(state_dir: Path, control: Mapping[str, Any]) -> None:
@@ -121,9 +125,9 @@ class SpotSimProvider(FakeMultiNodeProvider):
                 self._launch(node_type, tags, resources, labels)
         refused = count - allowed
         if refused:
-            for _ in range(refused):
-                self._record("launch_refused", node_type, None,
-                             detail=f"capacity {cap}, {active + allowed} up or pending")
+            self._record("launch_refused", node_type, None,
+                         detail={"refused": refused, "capacity": cap,
+                                 "up_or_pending": active + allowed})
             raise NodeLaunchException(
                 "InsufficientCapacity",
                 f"simulated spot market: {node_type} capacity is {cap} and "

@@ -85,3 +85,74 @@ def test_uncommitted_and_corrupt_checkpoints_are_never_restored(env):
     names = sorted(os.listdir(tmp / "run" / "checkpoints"))
     assert "checkpoint_00000002-e2" not in names  # partial: removed
     assert "checkpoint_00000003-e2" in names  # corrupt: kept for a human, never restored
+
+
+def test_damaged_committed_checkpoint_falls_back_to_the_previous(env):
+    storage, events, tmp = env
+    mgr = CheckpointManager(storage, "run", None, events)
+    mgr.begin_epoch(1, 1)
+    for i in (1, 2):
+        mgr.on_records([_record(storage, tmp, i, 0, 1, True)])
+    assert mgr.latest_valid().index == 2
+    (tmp / checkpoint_rel("run", 2, 1) / "shard-0.bin").write_bytes(b"")  # truncated behind our back
+    assert mgr.latest_valid().index == 1
+
+
+def test_async_staging_checksums_and_back_pressure(tmp_path):
+    import threading
+    import zlib
+
+    from raylastic.checkpoint.uploader import AsyncUploader
+
+    storage = Storage(str(tmp_path / "store"))
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.bin").write_bytes(b"hello")
+    (src / "sub" / "b.bin").write_bytes(b"x" * 1000)
+    up = AsyncUploader(storage, staging_root=str(tmp_path / "staging"))
+    staged, files = up.stage(str(src), "k1")
+    assert sorted(files) == sorted([("a.bin", 5, f"crc32:{zlib.crc32(b'hello'):08x}"),
+                                    ("sub/b.bin", 1000, f"crc32:{zlib.crc32(b'x' * 1000):08x}")])
+    gate, results = threading.Event(), []
+    real_upload = storage.upload_dir
+
+    def slow_upload(local, rel):
+        gate.wait(10)
+        return real_upload(local, rel)
+
+    storage.upload_dir = slow_upload  # hold the first upload open
+    up.submit(staged, files, "run/ck1", results.append)
+    assert up.pending
+    staged2, files2 = up.stage(str(src), "k2")
+    t = threading.Thread(target=lambda: up.submit(staged2, files2, "run/ck2", results.append))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # the second submit waits: at most one upload pending
+    gate.set()
+    t.join(10)
+    up.wait(10)
+    assert [r.rel for r in results] == ["run/ck1", "run/ck2"] and all(r.error is None for r in results)
+    assert (tmp_path / "store" / "run" / "ck2" / "sub" / "b.bin").read_bytes() == b"x" * 1000
+    assert not os.path.exists(staged) and not os.path.exists(staged2)  # staging freed
+
+
+def test_commit_after_loss_only_when_the_lost_rank_never_wrote_files(env):
+    storage, events, tmp = env
+    mgr = CheckpointManager(storage, "run", None, events)
+    mgr.begin_epoch(1, 3)
+    for r in range(3):  # index 1: rank 0 writes, 1 and 2 pass None
+        mgr.on_records([_record(storage, tmp, 1, r, 1, r == 0)])
+    assert mgr.latest().index == 1
+    mgr.on_records([_record(storage, tmp, 2, 0, 1, True), _record(storage, tmp, 2, 1, 1, False)])
+    assert mgr.latest().index == 1  # rank 2's report never arrived
+    assert [c.index for c in mgr.commit_after_loss([2])] == [2]
+    manifest = json.loads((tmp / checkpoint_rel("run", 2, 1) / MANIFEST).read_text())
+    assert manifest["ranks_lost_before_reporting"] == [2]
+
+    # Sharded: every rank writes, so a lost rank's shard may be missing: no commit.
+    mgr.begin_epoch(2, 2)
+    for r in range(2):
+        mgr.on_records([_record(storage, tmp, 3, r, 2, True)])
+    mgr.on_records([_record(storage, tmp, 4, 0, 2, True)])
+    assert mgr.commit_after_loss([1]) == []
+    assert mgr.latest().index == 3

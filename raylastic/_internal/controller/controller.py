@@ -74,6 +74,7 @@ class Controller:
         self._pool = WorkerPool(
             target=scaling.max_workers, resources=scaling.worker_resources(),
             use_gpu=scaling.use_gpu, storage=storage, run_rel=run_rel, run_name=run_name,
+            async_upload=run.checkpoint_config.async_upload,
         )
         self._epoch = 0
         self._restarts = 0
@@ -201,7 +202,7 @@ class Controller:
             return None
         for r, m in enumerate(members):
             m.prev_rank = r
-        latest = self._ckpt.latest()
+        latest = self._ckpt.latest_valid()
         restore = RestoreInfo(checkpoint_rel=latest.rel if latest else None,
                               index=latest.index if latest else 0, restart_count=self._restarts)
         self._ckpt.begin_epoch(epoch, world)
@@ -352,7 +353,8 @@ class Controller:
             self._stop_members(survivors, graceful=False)
             return Errored(TrainingFailedError(decision.reason, failures), failures)
         return Resizing(epoch=st.epoch, members=survivors, reason=f"{kind.value}: {decision.reason}",
-                        graceful=False, target_world_size=len(survivors), started_at=time.monotonic())
+                        graceful=False, target_world_size=len(survivors), started_at=time.monotonic(),
+                        lost_ranks=[m.prev_rank for m in lost])
 
     # -- Resizing ------------------------------------------------------------------
     def _step_resizing(self, st: Resizing) -> object:
@@ -362,6 +364,7 @@ class Controller:
                 return outcome
         else:
             self._stop_members(st.members, graceful=False)
+            self._drain_survivors(st)
         self._restarts += 1
         latest = self._ckpt.latest()
         reached = max(self._last_index_seen(st), latest.index if latest else 0)
@@ -375,6 +378,18 @@ class Controller:
             resize_s=time.monotonic() - st.started_at,
         )
         return Scheduling(since=time.monotonic())
+
+    def _drain_survivors(self, st: Resizing) -> None:
+        """Collect the survivors' last reports, then commit what the lost ranks could not
+        have added to (see ``CheckpointManager.commit_after_loss``)."""
+        running = Running(epoch=st.epoch, members=st.members, started_at=st.started_at,
+                          restored_index=0, first_step_seen=True)
+        results, _lost, _causes = self._poll(running, st.members)
+        for m in st.members:
+            if m.wid in results:
+                self._ingest(running, m, results[m.wid])
+        if st.lost_ranks:
+            self._ckpt.commit_after_loss(st.lost_ranks)
 
     def _last_index_seen(self, st: Resizing) -> int:
         return self._last_rank0[0] if self._last_rank0 else 0

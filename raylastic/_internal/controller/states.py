@@ -47,6 +47,7 @@ class Resizing:
     target_world_size: int = 0
     stop_at: Optional[int] = None
     started_at: float = 0.0
+    lost_ranks: List[int] = field(default_factory=list)
 
 
 @dataclass

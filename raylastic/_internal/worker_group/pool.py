@@ -43,11 +43,11 @@ class WorkerHandle:
 
 class WorkerPool:
     def __init__(self, *, target: int, resources: Dict[str, float], use_gpu: bool, storage,
-                 run_rel: str, run_name: str):
+                 run_rel: str, run_name: str, async_upload: bool = True):
         self._target = target
         self._resources = dict(resources)
         self._use_gpu = use_gpu
-        self._init_args = (storage, run_rel, run_name)
+        self._init_args = (storage, run_rel, run_name, async_upload)
         self._ids = itertools.count()
         self.workers: Dict[int, WorkerHandle] = {}
         self.last_ready_at: Optional[float] = None

@@ -49,10 +49,14 @@ class PollResult:
 class TrainWorker:
     """Ray actor body (wrapped with ``ray.remote`` by the worker group)."""
 
-    def __init__(self, storage, run_rel: str, run_name: str):
+    def __init__(self, storage, run_rel: str, run_name: str, async_upload: bool = True):
         import torch  # noqa: F401 - pay the import once per process, not per attempt
 
+        from raylastic.checkpoint.uploader import AsyncUploader
+
         self._storage = storage
+        self._uploader = AsyncUploader(storage)
+        self._async_upload = async_upload
         self._run_rel = run_rel
         self._run_name = run_name
         self._lock = threading.Lock()
@@ -106,7 +110,8 @@ class TrainWorker:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("start while the train function is still running")
         sess = Session(spec=spec, storage=self._storage, run_rel=self._run_rel,
-                       run_name=self._run_name, restore=restore)
+                       run_name=self._run_name, restore=restore, uploader=self._uploader,
+                       async_upload=self._async_upload)
         with self._lock:
             self._session = sess
             self._status = WorkerStatus.RUNNING
@@ -124,8 +129,14 @@ class TrainWorker:
         status, error, tb, value = WorkerStatus.FINISHED, None, "", None
         try:
             value = _call(train_func, config)
+            self._finish_uploads(sess)
         except StopTraining:
             status = WorkerStatus.STOPPED
+            if not sess.aborted:  # a graceful stop keeps the checkpoint of the stop index
+                try:
+                    self._finish_uploads(sess)
+                except BaseException as e:  # noqa: BLE001
+                    status, error, tb = WorkerStatus.ERROR, f"{type(e).__name__}: {e}", ""
         except BaseException as e:  # noqa: BLE001 - every failure goes to the controller
             if sess.aborted:
                 status = WorkerStatus.STOPPED  # a peer vanished mid-collective: expected
@@ -135,6 +146,11 @@ class TrainWorker:
             if self._session is sess:
                 self._status, self._error, self._traceback = status, error, tb
                 self._return_value = value
+
+    def _finish_uploads(self, sess: Session) -> None:
+        """Training ended: the last checkpoint must reach storage before we say so."""
+        self._uploader.wait()
+        sess.raise_upload_error()
 
     def poll(self) -> PollResult:
         with self._lock:

@@ -13,7 +13,7 @@ import logging
 import math
 import statistics
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from raylastic.events import EVENTS_FILE, METRICS_FILE, read_jsonl
@@ -287,7 +287,7 @@ def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[
                  on_demand_type: Optional[str] = None, loss_key: str = "loss",
                  notes: Sequence[str] = ()) -> RunReport:
     """The report of one run. ``prices`` (e.g. from --prices) override the event log's."""
-    from raylastic.report import _timeline as tl
+    from raylastic.reporting import _timeline as tl
 
     events = [e for e in events if isinstance(e.get("ts"), (int, float))]
     if not events:
@@ -308,7 +308,7 @@ def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[
                                                                      "run_started")), None)
     status = {"run_finished": "finished", "run_failed": "failed"}.get(
         last_finish["kind"] if last_finish else "", "incomplete")
-    error = str(last_finish.get("error")) if status == "failed" and last_finish else None
+    error = str(last_finish.get("message") or last_finish.get("error")) if status == "failed" else None
     if status == "incomplete":
         notes.append("the run has no run_finished/run_failed event: it is still running or "
                      "crashed; numbers cover up to its last event")
@@ -417,11 +417,21 @@ def _cost(nodes, prices: Optional[Prices], productive_worker_s: float,
                  {t: table[t] for t in usage if t in table} if total is not None else {})
 
 
+def _sync_s(e: Mapping[str, Any]) -> Optional[float]:
+    """Time report() blocked the training loop for this checkpoint: staging the files
+    locally plus waiting for the previous upload (``stage_s + wait_s``), or ``sync_s``."""
+    if isinstance(e.get("sync_s"), (int, float)):
+        return float(e["sync_s"])
+    parts = [e.get(k) for k in ("stage_s", "wait_s") if isinstance(e.get(k), (int, float))]
+    return float(sum(parts)) if parts else None
+
+
 def _checkpoints(events, t0: float) -> Dict[str, Any]:
     items = [{
         "index": e.get("index"), "epoch": e.get("epoch"), "at_s": float(e["ts"]) - t0,
-        "bytes": e.get("bytes"), "upload_s": e.get("upload_s"),
-        "sync_s": e.get("sync_s"), "async_s": e.get("async_s"),
+        "bytes": e.get("bytes"), "sync_s": _sync_s(e),
+        "async_s": e.get("async_s", e.get("upload_s")),
+        "stage_s": e.get("stage_s"), "wait_s": e.get("wait_s"), "upload_s": e.get("upload_s"),
     } for e in events if e["kind"] == "checkpoint_committed"]
 
     def stat(key, fn):
@@ -432,13 +442,10 @@ def _checkpoints(events, t0: float) -> Dict[str, Any]:
         "count": len(items),
         "restored": sum(1 for e in events if e["kind"] == "checkpoint_restored"),
         "deleted": sum(1 for e in events if e["kind"] == "checkpoint_deleted"),
+        "invalid": sum(1 for e in events if e["kind"] == "checkpoint_invalid"),
         "bytes_total": stat("bytes", sum), "bytes_last": items[-1]["bytes"] if items else None,
-        "upload_s_mean": stat("upload_s", statistics.fmean),
-        "upload_s_max": stat("upload_s", max),
-        "sync_s_total": stat("sync_s", sum), "async_s_total": stat("async_s", sum),
+        "sync_s_mean": stat("sync_s", statistics.fmean), "sync_s_max": stat("sync_s", max),
+        "sync_s_total": stat("sync_s", sum),
+        "async_s_mean": stat("async_s", statistics.fmean), "async_s_max": stat("async_s", max),
         "items": items,
     }
-
-
-def with_notes(report: RunReport, extra: Sequence[str]) -> RunReport:
-    return replace(report, notes=tuple(report.notes) + tuple(extra))

@@ -1,4 +1,4 @@
-"""The passes over the event log behind :func:`raylastic.report.model.build_report`:
+"""The passes over the event log behind :func:`raylastic.reporting.model.build_report`:
 controller sessions, the membership-epoch walk (segments, recoveries, resizes), step
 times and which steps were kept, and per-node holding intervals. Pure functions."""
 
@@ -10,7 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from raylastic.report.model import DEFAULT_NODE_TYPE, _SKEW_S, Recovery, Resize, Segment
+from raylastic.reporting.model import DEFAULT_NODE_TYPE, _SKEW_S, Recovery, Resize, Segment
 
 Event = Mapping[str, Any]
 
@@ -197,7 +197,7 @@ def step_times(metrics: Sequence[Event], groups: List[_Group]) -> StepTimes:
     suffix_min = [float("inf")] * (len(groups) + 1)
     for p in range(len(groups) - 1, -1, -1):
         suffix_min[p] = min(suffix_min[p + 1], groups[p].restore_index)
-    owner = [_owner(m, groups) for m in metrics]
+    owner = _owners(metrics, groups)
     by_group: Dict[Optional[int], List[int]] = defaultdict(list)
     for k, g in enumerate(owner):
         by_group[g].append(k)
@@ -226,15 +226,24 @@ def step_times(metrics: Sequence[Event], groups: List[_Group]) -> StepTimes:
     return StepTimes(durations, kept, ws, prod, prod_w, [float(m["ts"]) for m in metrics])
 
 
-def _owner(m: Event, groups: List[_Group]) -> Optional[int]:
-    """The group (position) that made report ``m``: same epoch, latest formed before it.
+def _owners(metrics: Sequence[Event], groups: List[_Group]) -> List[Optional[int]]:
+    """The group (position) that made each report: same epoch, latest formed before it.
     Epoch numbers restart when a run is resumed, so the time decides between equals."""
-    cands = [p for p, g in enumerate(groups) if g.epoch == m.get("epoch")]
-    if not cands:
-        return None
-    ts = float(m["ts"])
-    before = [p for p in cands if groups[p].start_ts <= ts + _SKEW_S]
-    return before[-1] if before else cands[0]
+    by_epoch: Dict[Any, Tuple[List[float], List[int]]] = {}
+    for p, g in enumerate(groups):
+        starts, positions = by_epoch.setdefault(g.epoch, ([], []))
+        starts.append(g.start_ts)
+        positions.append(p)
+    out: List[Optional[int]] = []
+    for m in metrics:
+        found = by_epoch.get(m.get("epoch"))
+        if found is None:
+            out.append(None)
+            continue
+        starts, positions = found
+        k = bisect.bisect_right(starts, float(m["ts"]) + _SKEW_S)
+        out.append(positions[k - 1] if k else positions[0])
+    return out
 
 
 # ----------------------------------------------------------------------------- nodes
@@ -252,7 +261,8 @@ class NodeIntervals:
 def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> NodeIntervals:
     """Per node and controller session: first worker_ready -> last worker_lost/released,
     or the session's end while one of its workers is still held."""
-    approximated = not any(e["kind"] == "worker_ready" for e in events)
+    approximated = not any(e["kind"] == "worker_ready" for e in events) and any(
+        e["kind"] == "group_formed" and e.get("nodes") for e in events)
     intervals, slots, markets, nodes_of = [], defaultdict(int), {}, defaultdict(set)
     session_no, state = 0, {}
 

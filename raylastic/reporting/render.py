@@ -1,11 +1,11 @@
-"""Plain-text rendering of a :class:`~raylastic.report.model.RunReport` (fixed-width
+"""Plain-text rendering of a :class:`~raylastic.reporting.model.RunReport` (fixed-width
 tables, no colour, so it reads the same in a terminal, a CI log and an email)."""
 
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from raylastic.report.model import RunReport
+from raylastic.reporting.model import RunReport
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> List[str]:
@@ -34,7 +34,8 @@ def fmt_s(seconds: Optional[float]) -> str:
 def fmt_usd(usd: Optional[float]) -> str:
     if usd is None:
         return "unknown"
-    return f"${usd:,.2f}" if abs(usd) >= 100 else f"${usd:.4f}"
+    sign = "-" if usd < 0 else ""
+    return f"{sign}${abs(usd):,.2f}" if abs(usd) >= 100 else f"{sign}${abs(usd):.4f}"
 
 
 def fmt_bytes(n: Optional[float]) -> str:
@@ -63,7 +64,7 @@ def render_text(r: RunReport, *, max_rows: int = 40) -> str:
         + (f"{r.goodput * 100:.1f} %" if r.goodput is not None else "unknown"),
         f"  steps             final index {steps['final_index'] if steps['final_index'] is not None else '-'}: "
         f"{steps['kept']} kept of {steps['reported']} reported "
-        f"({steps['retrained']} re-trained; resizes reported {steps['lost']} lost)",
+        f"({steps['retrained']} re-trained after a restore; resize events: {steps['lost']} lost)",
         "",
         "World size timeline (t = seconds since the run started)",
     ]
@@ -115,21 +116,23 @@ def _limited(lines: List[str], max_rows: int) -> List[str]:
 
 def _checkpoint_lines(r: RunReport) -> List[str]:
     c = r.checkpoints
+    invalid = f", {c['invalid']} found damaged" if c.get("invalid") else ""
     if not c["count"]:
-        return [f"Checkpoints: none committed ({c['restored']} restored)"]
-    line = (f"Checkpoints: {c['count']} committed, {c['restored']} restored, {c['deleted']} deleted "
-            f"by retention; size {fmt_bytes(c['bytes_last'])} (last), {fmt_bytes(c['bytes_total'])} "
-            f"written; upload mean {fmt_s(c['upload_s_mean'])} s, max {fmt_s(c['upload_s_max'])} s")
-    extra = []
-    if c["sync_s_total"] is not None:
-        extra.append(f"training blocked {fmt_s(c['sync_s_total'])} s in total (sync)")
-    if c["async_s_total"] is not None:
-        extra.append(f"{fmt_s(c['async_s_total'])} s in background uploads (async)")
-    return [line] + (["  " + "; ".join(extra)] if extra else [])
+        return [f"Checkpoints: none committed ({c['restored']} restored{invalid})"]
+    lines = [f"Checkpoints: {c['count']} committed, {c['restored']} restored, {c['deleted']} "
+             f"deleted by retention{invalid}; size {fmt_bytes(c['bytes_last'])} (last), "
+             f"{fmt_bytes(c['bytes_total'])} written"]
+    if c["sync_s_mean"] is not None:
+        lines.append(f"  sync (training blocked)  mean {fmt_s(c['sync_s_mean'])} s, max "
+                     f"{fmt_s(c['sync_s_max'])} s, total {fmt_s(c['sync_s_total'])} s")
+    if c["async_s_mean"] is not None:
+        lines.append(f"  async (upload)           mean {fmt_s(c['async_s_mean'])} s, max "
+                     f"{fmt_s(c['async_s_max'])} s")
+    return lines
 
 
 def _cost_lines(r: RunReport) -> List[str]:
-    out = [f"  cost                 {fmt_usd(r.cost_usd)}"]
+    out = ["", f"  cost                 {fmt_usd(r.cost_usd)}"]
     if r.on_demand_type is not None or r.on_demand_cost_usd is not None:
         out.append(f"  on-demand baseline   {fmt_usd(r.on_demand_cost_usd)}  "
                    f"({r.productive_worker_s / 3600:.4f} productive worker-hours on "

@@ -1,0 +1,111 @@
+"""Checkpoint persistence off the training path (worker side).
+
+``report(checkpoint=...)`` only *stages* the files: a local copy (the caller's directory
+is usually a temporary one deleted right after ``report`` returns) that also computes a
+CRC32 per file for the manifest. The upload to storage then runs in this worker's
+background thread while training continues.
+
+Back-pressure: at most one upload is pending per worker. A ``report`` with a new
+checkpoint while the previous upload is still running waits for it, so memory and local
+disk hold at most two checkpoints per worker (the uploading one and the new staged one),
+whatever the upload bandwidth.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
+
+FileEntry = Tuple[str, int, str]  # (relative posix path, size, "crc32:<hex>")
+_CHUNK = 8 * 1024 * 1024
+
+
+def stage_dir(src: str, dst: str) -> List[FileEntry]:
+    """Copy a directory tree to ``dst``, computing each file's CRC32 on the way."""
+    entries: List[FileEntry] = []
+    for root, _dirs, files in os.walk(src):
+        for name in sorted(files):
+            s = os.path.join(root, name)
+            rel = os.path.relpath(s, src).replace(os.sep, "/")
+            d = os.path.join(dst, *rel.split("/"))
+            os.makedirs(os.path.dirname(d), exist_ok=True)
+            crc, size = 0, 0
+            with open(s, "rb") as fin, open(d, "wb") as fout:
+                while True:
+                    chunk = fin.read(_CHUNK)
+                    if not chunk:
+                        break
+                    crc = zlib.crc32(chunk, crc)
+                    size += len(chunk)
+                    fout.write(chunk)
+            entries.append((rel, size, f"crc32:{crc:08x}"))
+    return entries
+
+
+@dataclass
+class UploadResult:
+    rel: str
+    files: List[FileEntry] = field(default_factory=list)
+    upload_s: float = 0.0
+    error: Optional[BaseException] = None
+
+
+class AsyncUploader:
+    """One background upload at a time for one worker process."""
+
+    def __init__(self, storage, staging_root: Optional[str] = None):
+        self._storage = storage
+        self._root = staging_root or tempfile.mkdtemp(prefix="raylastic-staging-")
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self.last_error: Optional[BaseException] = None
+
+    def stage(self, local_dir: str, key: str) -> Tuple[str, List[FileEntry]]:
+        dst = os.path.join(self._root, key)
+        shutil.rmtree(dst, ignore_errors=True)
+        return dst, stage_dir(local_dir, dst)
+
+    def submit(self, staged: str, files: List[FileEntry], rel: str,
+               on_done: Callable[[UploadResult], None]) -> float:
+        """Start uploading ``staged`` to ``rel``; returns seconds spent waiting for the
+        previous upload (back-pressure)."""
+        waited = self.wait()
+
+        def run() -> None:
+            res = UploadResult(rel=rel, files=files)
+            start = time.perf_counter()
+            try:
+                self._storage.upload_dir(staged, rel)
+            except BaseException as e:  # noqa: BLE001 - handed to the session
+                res.error = e
+                self.last_error = e
+            finally:
+                res.upload_s = time.perf_counter() - start
+                shutil.rmtree(staged, ignore_errors=True)
+            on_done(res)
+
+        with self._lock:
+            self._thread = threading.Thread(target=run, name="raylastic-upload", daemon=True)
+            self._thread.start()
+        return waited
+
+    def wait(self, timeout_s: Optional[float] = None) -> float:
+        """Block until no upload is pending; returns the seconds waited."""
+        with self._lock:
+            thread = self._thread
+        if thread is None:
+            return 0.0
+        start = time.perf_counter()
+        thread.join(timeout_s)
+        return time.perf_counter() - start
+
+    @property
+    def pending(self) -> bool:
+        with self._lock:
+            return self._thread is not None and self._thread.is_alive()
