@@ -187,7 +187,13 @@ class RunConfig:
             multi-node cluster a local path must be shared by every node.
         poll_interval_s: how often the controller collects metrics from workers.
             Training never waits for it.
-        verbose: print progress and resize messages to stdout.
+        verbose: print resize/failure messages (from the controller) to stdout.
+        progress: show one live status line during ``fit()`` (step, world size,
+            throughput, last loss, ETA, recoveries); plain lines when stdout is not a TTY.
+        tensorboard: write scalars (metrics, world size, throughput, cost so far) to
+            ``<run>/tensorboard``.
+        total_steps: the number of reports the run will make, if known: enables the
+            ETA of the progress line.
     """
 
     name: Optional[str] = None
@@ -196,8 +202,14 @@ class RunConfig:
     checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
     poll_interval_s: float = 0.1
     verbose: bool = True
+    progress: bool = True
+    tensorboard: bool = True
+    total_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.total_steps is not None:
+            _check(isinstance(self.total_steps, int) and self.total_steps >= 1,
+                   f"RunConfig.total_steps must be an int >= 1 or None, got {self.total_steps!r}.")
         if self.name is not None:
             _check(
                 isinstance(self.name, str)

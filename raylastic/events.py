@@ -23,6 +23,7 @@ METRICS_FILE = "metrics.jsonl"
 
 class EventKind(str, enum.Enum):
     RUN_STARTED = "run_started"
+    PRICE_TABLE = "price_table"  # USD/h per node type, markets, the on-demand baseline type
     STATE = "state"  # controller state transition
     DECISION = "decision"  # a policy decision with its reason
     CAPACITY_WAIT = "capacity_wait"  # fewer than min_workers placeable
@@ -124,10 +125,20 @@ class EventLog:
         self._writer = JsonlWriter(storage, f"{run_rel}/{EVENTS_FILE}")
         self._metrics = JsonlWriter(storage, f"{run_rel}/{METRICS_FILE}")
         self._verbose = verbose
+        self._listeners: List[Any] = []
+
+    def add_listener(self, fn) -> None:
+        """``fn(record)`` is called for every event (e.g. TensorBoard's cost meter)."""
+        self._listeners.append(fn)
 
     def emit(self, kind: EventKind, message: str = "", **fields: Any) -> Dict[str, Any]:
         record = {"ts": time.time(), "kind": kind.value, "message": message, **fields}
         self._writer.write(record)
+        for fn in self._listeners:
+            try:
+                fn(record)
+            except Exception as e:  # noqa: BLE001 - observers never break the run
+                logger.warning("event listener failed: %s", e)
         if message:
             logger.info("%s", message)
             if self._verbose:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Dict, List, Optional
@@ -115,8 +114,11 @@ class ElasticTrainer:
             self._train_func, self._config, self._scaling, self._run, storage, self._name, self._name,
         )
         run_ref = controller.run.remote()
+        from raylastic.progress import ProgressLine
+
+        progress = ProgressLine(enabled=self._run.progress, total_steps=self._run.total_steps)
         try:
-            outcome = _wait(run_ref)
+            outcome = _wait(run_ref, controller, progress)
         except KeyboardInterrupt:
             logger.warning("interrupted: stopping workers (Ctrl-C again to force)")
             controller.request_stop.remote()
@@ -128,7 +130,7 @@ class ElasticTrainer:
             ray.kill(controller, no_restart=True)
             raise KeyboardInterrupt from None
         finally:
-            pass
+            progress.close()
         ray.kill(controller, no_restart=True)
         ckpt_rel = outcome.get("checkpoint_rel")
         result = Result(
@@ -145,13 +147,27 @@ class ElasticTrainer:
         return result
 
 
-def _wait(ref) -> Dict[str, Any]:
-    # Short waits so Ctrl-C reaches Python between them (ray.get blocks signals).
+def _wait(ref, controller, progress) -> Dict[str, Any]:
+    """Wait for the controller's outcome, feeding the progress line on the way.
+
+    Short waits so Ctrl-C reaches Python between them (``ray.get`` blocks signals); the
+    status call never blocks the loop (the controller actor is threaded).
+    """
+    status_ref = None
     while True:
         ready, _ = ray.wait([ref], timeout=0.5)
         if ready:
             return ray.get(ref)
-        time.sleep(0)
+        if not progress.enabled:
+            continue
+        if status_ref is None:
+            status_ref = controller.status.remote()
+        elif ray.wait([status_ref], timeout=0)[0]:
+            try:
+                progress.update(ray.get(status_ref))
+            except Exception:  # noqa: BLE001 - display only
+                pass
+            status_ref = None
 
 
 def _join_uri(base: str, name: str) -> str:

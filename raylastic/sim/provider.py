@@ -103,6 +103,7 @@ class SpotSimProvider(FakeMultiNodeProvider):
         self._events_lock = threading.Lock()
         self._events = open(self._dir / EVENTS_FILE, "a", encoding="utf-8")
         self._stop = threading.Event()
+        self._start_lock = threading.Lock()
         self._refresh_control()
         self._poller = threading.Thread(target=self._poll_loop, name="spot-sim-control",
                                         daemon=True)
@@ -166,7 +167,10 @@ class SpotSimProvider(FakeMultiNodeProvider):
             if node_id not in self._nodes:  # terminated while pending
                 return
         try:
-            node = self._start_raylet(node_id, node_type, resources, labels)
+            # One at a time: Ray picks a node's socket file names by probing the shared
+            # session directory, so two raylets started at once can collide.
+            with self._start_lock:
+                node = self._start_raylet(node_id, node_type, resources, labels)
         except Exception as e:  # noqa: BLE001  (reported, then the autoscaler retries)
             logger.exception("spot sim: starting node %s failed", node_id)
             with self.lock:

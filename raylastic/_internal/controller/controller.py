@@ -83,6 +83,13 @@ class Controller:
         self._world_sizes: List[int] = []
         self._step_time_s = 0.05  # running estimate, used to place graceful stops
         self._last_rank0: Optional[tuple] = None  # (index, monotonic time)
+        self._recoveries = 0
+        self._tb = None
+        if run.tensorboard:
+            from raylastic.tensorboard import TensorBoardLogger
+
+            self._tb = TensorBoardLogger.for_run(storage, run_rel)
+            self._events.add_listener(self._tb.observe_event)
         self._lock = threading.Lock()
 
     # -- public actor methods ------------------------------------------------------
@@ -98,6 +105,9 @@ class Controller:
                 "world_size": len(st.members) if isinstance(st, Running) else 0,
                 "metrics": dict(self._latest_metrics),
                 "world_sizes": list(self._world_sizes),
+                "index": self._last_rank0[0] if self._last_rank0 else 0,
+                "recoveries": self._recoveries,
+                "total_steps": self._run.total_steps,
             }
 
     def run(self) -> Dict[str, Any]:
@@ -127,6 +137,8 @@ class Controller:
                 if h.ready:
                     self._events.emit(EventKind.WORKER_RELEASED, wid=h.wid, node_id=h.node_id)
             self._pool.shutdown()
+            if self._tb is not None:
+                self._tb.close()
         return self._outcome()
 
     # -- state machine -------------------------------------------------------------
@@ -309,6 +321,8 @@ class Controller:
                 self._latest_metrics = rec.metrics
             self._events.metrics({"ts": rec.ts, "index": rec.index, "epoch": rec.epoch,
                                   "world_size": len(st.members), "metrics": rec.metrics})
+            if self._tb is not None:
+                self._tb.log_metrics(rec.index, rec.metrics, len(st.members), rec.ts)
             if not st.first_step_seen:
                 st.first_step_seen = True
                 self._events.emit(EventKind.FIRST_STEP, epoch=rec.epoch, index=rec.index,
@@ -366,6 +380,8 @@ class Controller:
             self._stop_members(st.members, graceful=False)
             self._drain_survivors(st)
         self._restarts += 1
+        if not st.graceful:
+            self._recoveries += 1
         latest = self._ckpt.latest()
         reached = max(self._last_index_seen(st), latest.index if latest else 0)
         lost_steps = reached - (latest.index if latest else 0)
