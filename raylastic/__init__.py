@@ -27,6 +27,7 @@ _EXPORTS = {
     "get_context": "raylastic.session",
     "report": "raylastic.session",
     "ElasticTrainer": "raylastic.trainer",
+    "ElasticState": "raylastic.state",
     "Result": "raylastic.trainer",
 }
 _SUBMODULES = {"data", "testing", "sim"}

@@ -160,10 +160,15 @@ class CheckpointConfig:
         async_upload: ``report(checkpoint=...)`` returns once the files are copied to
             local staging (with checksums); the upload runs in the background, at most
             one pending per worker. ``False`` waits for the upload inside ``report``.
+
+        persist_every: with ``ElasticState``, write every N-th in-memory snapshot to
+            storage (in the background). ``None``: only snapshots in memory, plus what
+            the train function reports itself.
     """
 
     num_to_keep: Optional[int] = None
     async_upload: bool = True
+    persist_every: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.num_to_keep is not None:
@@ -172,6 +177,9 @@ class CheckpointConfig:
                 f"CheckpointConfig.num_to_keep must be an int >= 1 or None (keep all), "
                 f"got {self.num_to_keep!r}.",
             )
+        if self.persist_every is not None:
+            _check(isinstance(self.persist_every, int) and self.persist_every >= 1,
+                   f"CheckpointConfig.persist_every must be an int >= 1 or None, got {self.persist_every!r}.")
 
 
 @dataclass(frozen=True, kw_only=True)

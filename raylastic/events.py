@@ -29,6 +29,7 @@ class EventKind(str, enum.Enum):
     CAPACITY_WAIT = "capacity_wait"  # fewer than min_workers placeable
     WORKER_READY = "worker_ready"
     WORKER_LOST = "worker_lost"  # actor died (node loss, preemption, crash)
+    PREEMPTION_NOTICE = "preemption_notice"  # a member's node is draining (deadline known)
     WORKER_RELEASED = "worker_released"  # run ended; the worker's slot is given back
     GROUP_FORMED = "group_formed"  # new membership epoch, ranks assigned
     TRAINING_STARTED = "training_started"  # train function entered on every rank

@@ -53,8 +53,10 @@ class RestoreInfo:
     """The committed checkpoint an attempt starts from (None fields: fresh start)."""
 
     checkpoint_rel: Optional[str] = None  # run-relative path of the checkpoint dir
-    index: int = 0  # report index the checkpoint was taken at
+    index: int = 0  # report index training resumes after
     restart_count: int = 0
+    memory_index: Optional[int] = None  # restore ElasticState from this in-memory snapshot
+    broadcast: bool = False  # some ranks lack that snapshot: rank 0 sends it
 
 
 @dataclass
@@ -121,8 +123,9 @@ class Session:
     """Per-process state of the running attempt; thread-safe where the actor polls."""
 
     def __init__(self, *, spec: GroupSpec, storage, run_rel: str, run_name: str, restore: RestoreInfo,
-                 uploader=None, async_upload: bool = True):
+                 uploader=None, async_upload: bool = True, persist_every: Optional[int] = None):
         self.spec = spec
+        self.persist_every = persist_every
         self.uploader = uploader
         self.async_upload = async_upload
         self._upload_error: Optional[BaseException] = None
@@ -152,6 +155,40 @@ class Session:
             self._append(record)
         else:
             self._persist(checkpoint, record)
+        with self._lock:
+            stop = self._stop_at is not None and index >= self._stop_at
+        if stop or self._abort.is_set():
+            raise StopTraining(f"stop after report {index}")
+
+    def report_snapshot(self, metrics: Dict[str, Any], writer, persist: bool) -> None:
+        """``report()`` for ``ElasticState.commit``: when ``persist``, rank 0's
+        ``writer(dir)`` serialises the snapshot in the background and the upload follows;
+        nothing but the snapshot copy touches the training thread."""
+        if self._abort.is_set():
+            raise StopTraining("membership change")
+        self.raise_upload_error()
+        with self._lock:
+            self._index += 1
+            index = self._index
+        record = ReportRecord(index=index, rank=self.spec.rank, epoch=self.spec.epoch,
+                              ts=time.time(), metrics=dict(metrics or {}))
+        if persist and writer is not None:
+            rel = checkpoint_rel(self.run_rel, index, self.spec.epoch)
+            record.checkpoint_rel = rel
+
+            def done(res) -> None:
+                record.upload_s, record.files = res.upload_s, [list(f) for f in res.files]
+                if res.error is not None:
+                    self._upload_error = CheckpointError(
+                        f"rank {self.spec.rank}: could not persist snapshot {index} to "
+                        f"{self.storage.uri}/{rel}: {res.error}")
+                else:
+                    self._append(record)
+
+            record.wait_s = self.uploader.submit_lazy(
+                writer, f"e{self.spec.epoch}-{index}-r{self.spec.rank}", rel, done)
+        else:
+            self._append(record)
         with self._lock:
             stop = self._stop_at is not None and index >= self._stop_at
         if stop or self._abort.is_set():

@@ -48,6 +48,23 @@ def stage_dir(src: str, dst: str) -> List[FileEntry]:
     return entries
 
 
+def checksum_tree(root: str) -> List[FileEntry]:
+    entries: List[FileEntry] = []
+    for base, _dirs, files in os.walk(root):
+        for name in sorted(files):
+            path = os.path.join(base, name)
+            crc, size = 0, 0
+            with open(path, "rb") as fh:
+                while True:
+                    chunk = fh.read(_CHUNK)
+                    if not chunk:
+                        break
+                    crc = zlib.crc32(chunk, crc)
+                    size += len(chunk)
+            entries.append((os.path.relpath(path, root).replace(os.sep, "/"), size, f"crc32:{crc:08x}"))
+    return entries
+
+
 @dataclass
 class UploadResult:
     rel: str
@@ -81,6 +98,35 @@ class AsyncUploader:
             res = UploadResult(rel=rel, files=files)
             start = time.perf_counter()
             try:
+                self._storage.upload_dir(staged, rel)
+            except BaseException as e:  # noqa: BLE001 - handed to the session
+                res.error = e
+                self.last_error = e
+            finally:
+                res.upload_s = time.perf_counter() - start
+                shutil.rmtree(staged, ignore_errors=True)
+            on_done(res)
+
+        with self._lock:
+            self._thread = threading.Thread(target=run, name="raylastic-upload", daemon=True)
+            self._thread.start()
+        return waited
+
+    def submit_lazy(self, produce: Callable[[str], None], key: str, rel: str,
+                    on_done: Callable[[UploadResult], None]) -> float:
+        """Like :meth:`submit`, but the files are written by ``produce(dir)`` in the
+        background thread (serialising a snapshot off the training path)."""
+        waited = self.wait()
+        staged = os.path.join(self._root, key)
+
+        def run() -> None:
+            res = UploadResult(rel=rel)
+            start = time.perf_counter()
+            try:
+                shutil.rmtree(staged, ignore_errors=True)
+                os.makedirs(staged)
+                produce(staged)
+                res.files = checksum_tree(staged)
                 self._storage.upload_dir(staged, rel)
             except BaseException as e:  # noqa: BLE001 - handed to the session
                 res.error = e

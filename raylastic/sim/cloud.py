@@ -182,6 +182,7 @@ class SpotCloud:
         self._idle_timeout_s = float(idle_timeout_s)
         self._connect_driver = connect_driver
         self._lock = threading.RLock()
+        self._gcs_lock = threading.Lock()
         self._noticed: Dict[str, float] = {}  # node id -> kill deadline (monotonic)
         self._kill: List[str] = []
         self._events: List[Dict[str, Any]] = []
@@ -263,6 +264,13 @@ class SpotCloud:
             raise RuntimeError("SpotCloud is not started; use `with SpotCloud() as cloud:`")
         return self._cluster.address
 
+    @property
+    def session_name(self) -> str:
+        """Ray's session name; every process of this cloud has it on its command line."""
+        if self._cluster is None:
+            raise RuntimeError("SpotCloud is not started")
+        return self._cluster.head_node.session_name
+
     def prices(self) -> PriceTable:
         return PriceTable.from_mapping(
             {n: t.price_usd_per_hour for n, t in self.node_types.items()},
@@ -273,7 +281,9 @@ class SpotCloud:
         from ray.core.generated import gcs_pb2
 
         out = {}
-        for node_id, info in self._gcs.get_all_node_info(timeout=10).items():
+        with self._gcs_lock:
+            infos = self._gcs.get_all_node_info(timeout=10)
+        for node_id, info in infos.items():
             if info.state != gcs_pb2.GcsNodeInfo.ALIVE:
                 continue
             for key in info.resources_total:
@@ -306,6 +316,10 @@ class SpotCloud:
         with self._lock:
             own = list(self._events)
         theirs = _prov.read_events(self._dir) if self._dir is not None else []
+        notice = {e["node_id"]: e["notice_s"] for e in own if e["event"] == "notice"}
+        for e in theirs:
+            if e["event"] == "preempted":
+                e["notice_s"] = notice.get(e["node_id"])
         return sorted(own + theirs, key=lambda e: e["ts"])
 
     def wait_for_nodes(self, node_type: str, n: int, timeout_s: float) -> Dict[str, str]:
@@ -317,8 +331,13 @@ class SpotCloud:
                      lambda: len(self.alive_nodes(node_type)))
 
     def wait_for_trace(self, timeout_s: float) -> None:
-        """Wait until every trace event and every pending preemption kill has run."""
-        _wait(lambda: self._scheduler.idle(), timeout_s, "the trace and its kills to finish")
+        """Wait until every trace event has run and every preempted node is dead."""
+        def done() -> bool:
+            with self._lock:
+                killed = set(self._kill)
+            return self._scheduler.idle() and not killed & set(self.alive_nodes())
+
+        _wait(done, timeout_s, "the trace and its preemptions to finish")
 
     # -- what the trace (or a test) does ------------------------------------------------
 
@@ -343,10 +362,10 @@ class SpotCloud:
         self._check_type(node_type)
         if count is not None:
             count = self._check_count(count, "count")
+        self._record("capacity", node_type, None, detail={"capacity": count})
         with self._lock:
             self._caps[node_type] = count
             self._write_control()
-        self._record("capacity", node_type, None, detail={"capacity": count})
         if preempt_excess_notice_s is None or count is None:
             return []
         excess = len(self._preemptible(node_type)) - count
@@ -395,9 +414,10 @@ class SpotCloud:
         accepted, why = True, ""
         if notice_s > 0:
             deadline_ms = int((time.time() + notice_s) * 1000)
-            accepted, why = self._gcs.drain_node(
+            with self._gcs_lock:
+                accepted, why = self._gcs.drain_node(
                 node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                f"raylastic.sim: {node_type} preempted, {notice_s:g} s notice", deadline_ms)
+                    f"raylastic.sim: {node_type} preempted, {notice_s:g} s notice", deadline_ms)
         self._record("notice", node_type, node_id, notice_s=notice_s,
                      detail={"drained": notice_s > 0 and accepted, "rejected": why or None})
         self._scheduler.call_at(deadline, lambda: self._order_kill(node_id))

@@ -75,6 +75,10 @@ def mlp_bench(config: Dict[str, Any]) -> None:
     ``get_checkpoint``, ``get_context``), so the same function runs under Ray Train's
     ``TorchTrainer`` and under ``ElasticTrainer`` in the recovery benchmark.
 
+    With ``config["elastic_state"]`` (raylastic only) the state lives in an
+    ``ElasticState`` committed every step instead of a checkpoint every
+    ``checkpoint_every`` steps.
+
     Rank 0 appends ``{"t", "step", "world"}`` to ``config["log_path"]`` after every
     step: the benchmark measures both frameworks from the same file. Training stops
     at ``total_steps`` or when ``config["stop_path"]`` exists (checked on every rank
@@ -95,13 +99,18 @@ def mlp_bench(config: Dict[str, Any]) -> None:
     model = nn.Sequential(*mods, nn.Linear(hidden, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     start = 0
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start = int(state["step"])
+    state = None
+    if config.get("elastic_state"):  # raylastic only: in-memory snapshots every step
+        state = raylastic.ElasticState(model=model, optimizer=opt, step=0)
+        start = state.step
+    else:
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is not None:
+            with ckpt.as_directory() as d:
+                saved = torch.load(os.path.join(d, "state.pt"), weights_only=True)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            start = int(saved["step"])
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     every = int(config.get("checkpoint_every", 10))
     stop_path = config.get("stop_path")
@@ -120,7 +129,10 @@ def mlp_bench(config: Dict[str, Any]) -> None:
             with open(config["log_path"], "a") as fh:
                 fh.write(json.dumps({"t": time.time(), "step": step, "world": world}) + "\n")
         metrics = {"step": step, "loss": float(loss.detach()), "world_size": world}
-        if step % every == 0:
+        if state is not None:
+            state.step = step
+            state.commit(metrics)  # persisted every CheckpointConfig.persist_every commits
+        elif step % every == 0:
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
                     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},

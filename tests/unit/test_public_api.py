@@ -3,7 +3,7 @@
 import raylastic
 
 EXPECTED = [
-    "Checkpoint", "CheckpointConfig", "ConfigError", "ElasticTrainer", "FailureConfig",
+    "Checkpoint", "CheckpointConfig", "ConfigError", "ElasticState", "ElasticTrainer", "FailureConfig",
     "InsufficientCapacityError", "RaylasticError", "Result", "RunConfig", "ScalingConfig",
     "TrainingAborted", "TrainingFailedError", "data", "get_checkpoint", "get_context", "report",
 ]

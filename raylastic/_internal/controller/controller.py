@@ -30,6 +30,7 @@ from raylastic.policies.base import Noop, Raise, Resize, Retry, Wait
 from raylastic.policies.failure import FailureCounts, FailureKind, FailurePolicy
 from raylastic.policies.scaling import ElasticScalingPolicy, ScalingSnapshot
 from raylastic.session import GroupSpec, RestoreInfo
+from raylastic.state import restore_from_memory_possible
 
 logger = logging.getLogger("raylastic")
 
@@ -41,6 +42,8 @@ UNAVAILABLE_GRACE_S = 15.0
 ERROR_CLASSIFY_GRACE_S = 5.0
 # How long survivors get to unwind their train function before being replaced.
 JOIN_TIMEOUT_S = 30.0
+# How often to ask the GCS which nodes are draining (preemption notices).
+DRAIN_CHECK_INTERVAL_S = 0.5
 # Process-group formation timeout.
 GROUP_TIMEOUT_S = 60.0
 # Graceful stop: how far ahead (seconds of steps) to place the agreed stop index, and
@@ -75,6 +78,7 @@ class Controller:
             target=scaling.max_workers, resources=scaling.worker_resources(),
             use_gpu=scaling.use_gpu, storage=storage, run_rel=run_rel, run_name=run_name,
             async_upload=run.checkpoint_config.async_upload,
+            persist_every=run.checkpoint_config.persist_every,
         )
         self._epoch = 0
         self._restarts = 0
@@ -84,6 +88,8 @@ class Controller:
         self._step_time_s = 0.05  # running estimate, used to place graceful stops
         self._last_rank0: Optional[tuple] = None  # (index, monotonic time)
         self._recoveries = 0
+        self._draining: Dict[str, int] = {}
+        self._draining_checked_at = 0.0
         self._tb = None
         if run.tensorboard:
             from raylastic.tensorboard import TensorBoardLogger
@@ -165,6 +171,9 @@ class Controller:
     def _step_scheduling(self, st: Scheduling) -> object:
         now = time.monotonic()
         spares = self._pool.ready_spares([])
+        for h in self._drained(spares):  # idle workers on a node about to go away
+            self._pool.remove(h, kill=True)
+        spares = [h for h in spares if h.node_id not in self._draining]
         snap = ScalingSnapshot(now=now, group_size=0, ready_spares=len(spares),
                                last_ready_at=self._pool.last_ready_at, waiting_since=st.since,
                                last_wait_log_at=st.last_log_at)
@@ -187,10 +196,26 @@ class Controller:
         members = sorted(spares, key=lambda h: (h.prev_rank, h.wid))[: d.world_size]
         return self._form_group(members) or Scheduling(since=st.since)
 
+    def _plan_restore(self, members: List[WorkerHandle]) -> RestoreInfo:
+        """Newest state every member can get: an in-memory ElasticState snapshot all
+        snapshot holders share (others receive it from rank 0), else the last valid
+        committed checkpoint in storage."""
+        latest = self._ckpt.latest_valid()
+        mem = restore_from_memory_possible({m.wid: m.snapshots for m in members})
+        if mem is not None and (latest is None or mem >= latest.index):
+            return RestoreInfo(checkpoint_rel=latest.rel if latest else None, index=mem,
+                               restart_count=self._restarts, memory_index=mem,
+                               broadcast=any(mem not in m.snapshots for m in members))
+        return RestoreInfo(checkpoint_rel=latest.rel if latest else None,
+                           index=latest.index if latest else 0, restart_count=self._restarts)
+
     def _form_group(self, members: List[WorkerHandle]) -> Optional[Running]:
         self._epoch += 1
         epoch = self._epoch
         members = _order_by_node(members)
+        planned = self._plan_restore(members)
+        if planned.memory_index is not None:  # rank 0 must hold the snapshot it broadcasts
+            members.sort(key=lambda m: 0 if planned.memory_index in m.snapshots else 1)
         world = len(members)
         backend = self._scaling.backend
         try:
@@ -214,23 +239,27 @@ class Controller:
             return None
         for r, m in enumerate(members):
             m.prev_rank = r
+        restore = self._plan_restore(members)
         latest = self._ckpt.latest_valid()
-        restore = RestoreInfo(checkpoint_rel=latest.rel if latest else None,
-                              index=latest.index if latest else 0, restart_count=self._restarts)
         self._ckpt.begin_epoch(epoch, world)
         prev = self._world_sizes[-1] if self._world_sizes else 0
         self._world_sizes.append(world)
         self._events.emit(
             EventKind.GROUP_FORMED,
             f"epoch {epoch}: world size {prev} -> {world}"
-            + (f", resuming from checkpoint {latest.index}" if latest else ", fresh start"),
+            + (f", resuming from in-memory snapshot {restore.index}" if restore.memory_index is not None
+               else f", resuming from checkpoint {latest.index}" if latest else ", fresh start"),
             epoch=epoch, world_size=world, previous_world_size=prev,
             nodes=[m.node_id for m in members], pids=[m.info.get("pid") for m in members],
             restore_index=restore.index,
             restore_path=restore.checkpoint_rel,
         )
-        if latest:
-            self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=latest.index, path=latest.rel)
+        if restore.memory_index is not None:
+            self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=restore.index,
+                              source="memory", broadcast=restore.broadcast)
+        elif latest:
+            self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=latest.index,
+                              path=latest.rel, source="storage")
         ray.get([m.actor.start.remote(self._train_func, self._config, s, restore)
                  for m, s in zip(members, specs)], timeout=GROUP_TIMEOUT_S)
         self._events.emit(EventKind.TRAINING_STARTED, epoch=epoch, world_size=world)
@@ -292,6 +321,18 @@ class Controller:
         if st.finished:
             time.sleep(self._run.poll_interval_s)
             return st  # the rest are finishing their last step
+        drained = self._drained(st.members)
+        if drained:
+            nodes = sorted({m.node_id for m in drained})
+            self._events.emit(EventKind.PREEMPTION_NOTICE,
+                              f"preemption notice for node(s) {', '.join(n[:8] for n in nodes)}: "
+                              f"moving {len(drained)} worker(s) off before the deadline",
+                              nodes=nodes, deadlines_ms=[self._draining.get(n) for n in nodes],
+                              epoch=st.epoch)
+            survivors = [m for m in st.members if m not in drained]
+            return Resizing(epoch=st.epoch, members=st.members, reason="preemption notice",
+                            graceful=True, target_world_size=len(survivors),
+                            started_at=time.monotonic(), leaving=drained)
         spares = self._pool.ready_spares(st.members)
         snap = ScalingSnapshot(now=time.monotonic(), group_size=len(st.members),
                                ready_spares=len(spares), last_ready_at=self._pool.last_ready_at,
@@ -304,8 +345,23 @@ class Controller:
         time.sleep(self._run.poll_interval_s)
         return st
 
+    def _drained(self, members: List[WorkerHandle]) -> List[WorkerHandle]:
+        """Members on nodes Ray is draining (a preemption notice: ``ray drain-node``, the
+        autoscaler/KubeRay, or raylastic's cloud-metadata watcher). Checked every 0.5 s."""
+        now = time.monotonic()
+        if now - self._draining_checked_at >= DRAIN_CHECK_INTERVAL_S:
+            self._draining_checked_at = now
+            try:
+                from ray._private.state import state as gcs_state
+
+                self._draining = dict(gcs_state.get_draining_nodes())
+            except Exception as e:  # noqa: BLE001 - an older Ray or a GCS hiccup
+                logger.debug("could not read draining nodes: %s", e)
+        return [m for m in members if m.node_id in self._draining]
+
     def _ingest(self, st: Running, m: WorkerHandle, r: PollResult) -> None:
         st.last_index[m.wid] = max(st.last_index.get(m.wid, 0), r.index)
+        m.snapshots = list(r.snapshots)
         if not r.records:
             return
         self._ckpt.on_records(r.records)
@@ -382,15 +438,17 @@ class Controller:
         self._restarts += 1
         if not st.graceful:
             self._recoveries += 1
-        latest = self._ckpt.latest()
-        reached = max(self._last_index_seen(st), latest.index if latest else 0)
-        lost_steps = reached - (latest.index if latest else 0)
+        plan = self._plan_restore(st.members)
+        reached = max(self._last_index_seen(st), plan.index)
+        lost_steps = reached - plan.index
+        source = "in-memory snapshot" if plan.memory_index is not None else "checkpoint"
         self._events.emit(
             EventKind.RESIZE,
             f"resizing from {len(self._world_sizes) and self._world_sizes[-1]} workers: {st.reason}; "
-            f"restoring checkpoint {latest.index if latest else 'none'} ({lost_steps} step(s) to redo)",
+            f"restoring {source} {plan.index if plan.checkpoint_rel or plan.memory_index else 'none'} "
+            f"({lost_steps} step(s) to redo)",
             epoch=st.epoch, reason=st.reason, graceful=st.graceful, survivors=len(st.members),
-            reached_index=reached, restore_index=latest.index if latest else 0, lost_steps=lost_steps,
+            reached_index=reached, restore_index=plan.index, restore_source=source, lost_steps=lost_steps,
             resize_s=time.monotonic() - st.started_at,
         )
         return Scheduling(since=time.monotonic())
@@ -421,12 +479,14 @@ class Controller:
                 self._ingest(running, m, results[m.wid])
         if lost:
             return self._on_failure(running, lost, causes, [])
-        target = self._choose_stop_index(current)
+        snapshots = all(m.snapshots for m in st.members)
+        urgent = bool(st.leaving)
+        target = self._choose_stop_index(current, snapshots or urgent)
         for _ in range(5):
             answers = ray.get([m.actor.request_stop_at.remote(target) for m in st.members], timeout=30)
             if all(a["ok"] for a in answers):
                 break
-            target = self._choose_stop_index(max(a["index"] for a in answers))
+            target = self._choose_stop_index(max(a["index"] for a in answers), snapshots or urgent)
         self._events.emit(EventKind.DECISION, f"stopping workers after report {target} to resize",
                           decision="stop_at", stop_at=target)
         deadline = time.monotonic() + JOIN_TIMEOUT_S + max(5.0, (target - current) * self._step_time_s * 3)
@@ -448,14 +508,24 @@ class Controller:
                 if errors:
                     return self._on_failure(running, [], {}, errors)
                 self._stop_members(st.members, graceful=True)
+                for m in st.leaving:  # drained: its node goes away at the deadline
+                    self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} released "
+                                      f"from draining node {m.node_id[:8]}", rank=m.prev_rank,
+                                      node_id=m.node_id, cause="preempted", wid=m.wid)
+                    self._pool.remove(m, kill=True)
                 return None
             time.sleep(min(0.05, self._run.poll_interval_s))
         self._stop_members(st.members, graceful=False)
         return None
 
-    def _choose_stop_index(self, current: int) -> int:
+    def _choose_stop_index(self, current: int, soon: bool = False) -> int:
+        """A report index every rank can still reach. With in-memory snapshots (or a
+        deadline) as soon as possible; otherwise the next checkpoint boundary if it is
+        near, so the new group loses no steps."""
         ahead = max(2, math.ceil(STOP_AHEAD_S / max(self._step_time_s, 1e-4)))
         target = current + ahead
+        if soon:
+            return target
         committed = self._ckpt.committed
         if len(committed) >= 2:
             period = committed[-1].index - committed[-2].index

@@ -48,6 +48,7 @@ class Resizing:
     stop_at: Optional[int] = None
     started_at: float = 0.0
     lost_ranks: List[int] = field(default_factory=list)
+    leaving: List[WorkerHandle] = field(default_factory=list)  # stop, then release (drained nodes)
 
 
 @dataclass

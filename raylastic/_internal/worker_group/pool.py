@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import ray
@@ -31,6 +31,7 @@ class WorkerHandle:
     info: Optional[Dict[str, Any]] = None
     ready_at: Optional[float] = None
     prev_rank: int = 1 << 30  # rank in the last group (new workers sort last)
+    snapshots: List[int] = field(default_factory=list)  # in-memory ElasticState snapshots held
 
     @property
     def node_id(self) -> str:
@@ -43,11 +44,12 @@ class WorkerHandle:
 
 class WorkerPool:
     def __init__(self, *, target: int, resources: Dict[str, float], use_gpu: bool, storage,
-                 run_rel: str, run_name: str, async_upload: bool = True):
+                 run_rel: str, run_name: str, async_upload: bool = True,
+                 persist_every: Optional[int] = None):
         self._target = target
         self._resources = dict(resources)
         self._use_gpu = use_gpu
-        self._init_args = (storage, run_rel, run_name, async_upload)
+        self._init_args = (storage, run_rel, run_name, async_upload, persist_every)
         self._ids = itertools.count()
         self.workers: Dict[int, WorkerHandle] = {}
         self.last_ready_at: Optional[float] = None

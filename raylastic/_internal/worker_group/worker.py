@@ -25,6 +25,7 @@ from raylastic import session as _session
 from raylastic._internal import ray_train_compat
 from raylastic._internal.distributed import process_group
 from raylastic.session import GroupSpec, ReportRecord, RestoreInfo, Session, StopTraining
+from raylastic.state import STORE
 
 
 class WorkerStatus:
@@ -44,12 +45,14 @@ class PollResult:
     traceback: str = ""
     index: int = 0
     return_value: Any = None
+    snapshots: List[int] = field(default_factory=list)  # complete in-memory snapshot indices
 
 
 class TrainWorker:
     """Ray actor body (wrapped with ``ray.remote`` by the worker group)."""
 
-    def __init__(self, storage, run_rel: str, run_name: str, async_upload: bool = True):
+    def __init__(self, storage, run_rel: str, run_name: str, async_upload: bool = True,
+                 persist_every: Optional[int] = None):
         import torch  # noqa: F401 - pay the import once per process, not per attempt
 
         from raylastic.checkpoint.uploader import AsyncUploader
@@ -57,6 +60,7 @@ class TrainWorker:
         self._storage = storage
         self._uploader = AsyncUploader(storage)
         self._async_upload = async_upload
+        self._persist_every = persist_every
         self._run_rel = run_rel
         self._run_name = run_name
         self._lock = threading.Lock()
@@ -111,7 +115,7 @@ class TrainWorker:
             raise RuntimeError("start while the train function is still running")
         sess = Session(spec=spec, storage=self._storage, run_rel=self._run_rel,
                        run_name=self._run_name, restore=restore, uploader=self._uploader,
-                       async_upload=self._async_upload)
+                       async_upload=self._async_upload, persist_every=self._persist_every)
         with self._lock:
             self._session = sess
             self._status = WorkerStatus.RUNNING
@@ -142,6 +146,7 @@ class TrainWorker:
                 status = WorkerStatus.STOPPED  # a peer vanished mid-collective: expected
             else:
                 status, error, tb = WorkerStatus.ERROR, f"{type(e).__name__}: {e}", traceback.format_exc()
+        STORE.wait_pending()  # the last snapshot's tensor copy belongs to this attempt
         with self._lock:
             if self._session is sess:
                 self._status, self._error, self._traceback = status, error, tb
@@ -160,6 +165,7 @@ class TrainWorker:
                 status=self._status, epoch=self._epoch, records=records, error=self._error,
                 traceback=self._traceback, index=sess.current_index() if sess else 0,
                 return_value=self._return_value if self._status == WorkerStatus.FINISHED else None,
+                snapshots=STORE.complete_indices(self._run_rel),
             )
 
     def request_stop_at(self, index: int) -> Dict[str, Any]:

@@ -1,0 +1,282 @@
+"""``ElasticState``: training state that survives a node loss without a storage read.
+
+Register what must survive (model, optimizer, LR scheduler, the elastic data loader,
+plain attributes such as ``step``) and call :meth:`ElasticState.commit` once per step::
+
+    state = raylastic.ElasticState(model=model, optimizer=opt, loader=loader, step=0)
+    while state.step < total:
+        ... one training step ...
+        state.step += 1
+        state.commit({"loss": loss.item()})     # snapshot + report (+ persist every N steps)
+
+Constructing the state restores into the given objects, in order of preference:
+1. the newest snapshot every surviving worker holds in host memory (a resize or a
+   failure: no storage read; workers that joined receive it from rank 0 over the new
+   process group);
+2. the latest committed checkpoint in storage (a fresh cluster, or both copies lost);
+3. nothing (a fresh start).
+
+Why peer memory works for data parallel training: under DDP every rank holds the same
+model and optimizer state, so each rank's own snapshot is a full replica; losing any one
+node leaves complete copies on the others. Per-rank state (RNG) comes back from the
+rank's own snapshot when the rank survived. Sharded state (FSDP, ZeRO) has no such
+replicas: use storage checkpoints for it.
+
+Cost: ``commit()`` captures plain values at once and copies tensors in a background
+thread; the next ``optimizer.step()`` waits for that copy (a step pre-hook), so the
+training step is blocked by at most the copy that did not overlap forward/backward.
+Memory: two snapshots per worker (the newest complete one and the one being taken).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from raylastic import session as _session
+
+STATE_FILE = "elastic_state.pt"
+
+
+@dataclass
+class Snapshot:
+    index: int  # report index this snapshot was committed at
+    plain: Dict[str, Any]
+    tensors: Dict[str, Any] = field(default_factory=dict)  # model/optimizer state dicts (cloned)
+    rng: Dict[str, Any] = field(default_factory=dict)
+    complete: threading.Event = field(default_factory=threading.Event)
+    nbytes: int = 0
+
+
+class SnapshotStore:
+    """Process-wide: snapshots outlive a train function that was unwound for a resize."""
+
+    def __init__(self, keep: int = 2):
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._snaps: List[Snapshot] = []
+        self.run: Optional[str] = None
+
+    def add(self, run: str, snap: Snapshot) -> None:
+        with self._lock:
+            if self.run != run:
+                self._snaps, self.run = [], run
+            self._snaps = [s for s in self._snaps if s.index < snap.index][-(self._keep - 1):] + [snap]
+
+    def complete_indices(self, run: str) -> List[int]:
+        with self._lock:
+            if self.run != run:
+                return []
+            return [s.index for s in self._snaps if s.complete.is_set()]
+
+    def get(self, run: str, index: int) -> Optional[Snapshot]:
+        with self._lock:
+            if self.run != run:
+                return None
+            for s in self._snaps:
+                if s.index == index and s.complete.is_set():
+                    return s
+        return None
+
+    def drop_after(self, run: str, index: int) -> None:
+        """Forget snapshots newer than the restore point (a rolled-back future)."""
+        with self._lock:
+            if self.run == run:
+                self._snaps = [s for s in self._snaps if s.index <= index]
+
+    def wait_pending(self, timeout_s: float = 30.0) -> None:
+        """Let in-flight tensor copies finish (a stopping worker's last snapshot)."""
+        with self._lock:
+            snaps = list(self._snaps)
+        for snap in snaps:
+            snap.complete.wait(timeout_s)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes for s in self._snaps)
+
+
+STORE = SnapshotStore()
+
+
+def _clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+class ElasticState:
+    """See the module docstring."""
+
+    _TENSOR_OBJECTS = ("model", "optimizer")
+    _PLAIN_OBJECTS = ("lr_scheduler", "loader")
+
+    def __init__(self, *, model: Optional[torch.nn.Module] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler: Any = None,
+                 loader: Any = None, persist_every: Optional[int] = None, **attrs: Any):
+        object.__setattr__(self, "_objs", {k: v for k, v in {
+            "model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "loader": loader,
+        }.items() if v is not None})
+        object.__setattr__(self, "_attrs", dict(attrs))
+        object.__setattr__(self, "_inflight", None)
+        object.__setattr__(self, "_persist_every", persist_every)
+        object.__setattr__(self, "restored_from", "none")
+        sess = _session._get_session()
+        object.__setattr__(self, "_sess", sess)
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(lambda *_: self._wait_copy())
+        self._restore()
+
+    # -- plain attributes ----------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        attrs = object.__getattribute__(self, "_attrs")
+        if name in attrs:
+            return attrs[name]
+        raise AttributeError(f"ElasticState has no attribute {name!r}; register it: ElasticState(..., {name}=...)")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._attrs:
+            self._attrs[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    # -- restore -------------------------------------------------------------------
+    def _restore(self) -> None:
+        sess = self._sess
+        mem = sess.restore.memory_index
+        if mem is not None:
+            snap = STORE.get(sess.run_rel, mem)
+            if sess.restore.broadcast and dist.is_initialized() and dist.get_world_size() > 1:
+                snap = self._broadcast(snap)
+            if snap is None:
+                raise RuntimeError(
+                    f"rank {sess.spec.rank}: the in-memory snapshot {mem} the controller chose "
+                    "is not here (and no broadcast was planned)")
+            STORE.drop_after(sess.run_rel, mem)
+            self._load(snap.plain, snap.tensors, snap.rng)
+            object.__setattr__(self, "restored_from", "memory")
+            return
+        ckpt = sess.get_checkpoint()
+        if ckpt is None:
+            return
+        with ckpt.as_directory() as d:
+            path = os.path.join(d, STATE_FILE)
+            if not os.path.exists(path):
+                return  # a checkpoint written by the user's own code, not by ElasticState
+            blob = torch.load(path, weights_only=True)
+        self._load(blob["plain"], blob["tensors"], {})
+        object.__setattr__(self, "restored_from", "storage")
+
+    def _broadcast(self, snap: Optional[Snapshot]) -> Optional[Snapshot]:
+        """Rank 0 (a survivor: survivors keep the lowest ranks) sends its snapshot to all."""
+        box = [None]
+        if dist.get_rank() == 0:
+            assert snap is not None, "rank 0 must hold the snapshot it broadcasts"
+            box = [{"index": snap.index, "plain": snap.plain, "tensors": snap.tensors}]
+        dist.broadcast_object_list(box, src=0)
+        if snap is not None:
+            return snap
+        got = box[0]
+        s = Snapshot(index=got["index"], plain=got["plain"], tensors=got["tensors"])
+        s.complete.set()
+        return s
+
+    def _load(self, plain: Dict[str, Any], tensors: Dict[str, Any], rng: Dict[str, Any]) -> None:
+        want = set(self._objs) & set(self._TENSOR_OBJECTS)
+        missing = want - set(tensors)
+        if missing:
+            raise ValueError(f"the saved state has no {sorted(missing)}: it was saved by an "
+                             "ElasticState with other objects registered")
+        for name in want:
+            try:
+                self._objs[name].load_state_dict(_clone(tensors[name]))
+            except (RuntimeError, ValueError, KeyError) as e:
+                raise ValueError(f"cannot restore {name}: the saved state does not fit it "
+                                 f"(different model shape or optimizer?): {e}") from None
+        for name in set(self._objs) & set(self._PLAIN_OBJECTS):
+            if name in plain.get("_objects", {}):
+                self._objs[name].load_state_dict(copy.deepcopy(plain["_objects"][name]))
+        self._attrs.update(copy.deepcopy(plain.get("attrs", {})))
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+
+    # -- commit --------------------------------------------------------------------
+    def commit(self, metrics: Optional[Dict[str, Any]] = None) -> None:
+        """Snapshot this step's state and report ``metrics`` (default ``attrs``).
+
+        Plain values are captured now; tensors are copied in the background (the next
+        ``optimizer.step()`` waits for the copy). Every ``persist_every`` commits (or
+        ``CheckpointConfig.persist_every``), rank 0 also writes the snapshot to storage,
+        off the training path.
+        """
+        self._wait_copy()
+        sess = self._sess
+        index = sess.current_index() + 1
+        plain = {"attrs": copy.deepcopy(self._attrs),
+                 "_objects": {k: copy.deepcopy(o.state_dict()) for k, o in self._objs.items()
+                              if k in self._PLAIN_OBJECTS}}
+        snap = Snapshot(index=index, plain=plain,
+                        rng={"torch": torch.get_rng_state(), "python": random.getstate()})
+        live = {k: o.state_dict() for k, o in self._objs.items() if k in self._TENSOR_OBJECTS}
+
+        def copy_tensors() -> None:
+            snap.tensors = _clone(live)
+            snap.nbytes = _nbytes(snap.tensors)
+            snap.complete.set()
+
+        t = threading.Thread(target=copy_tensors, name="raylastic-snapshot", daemon=True)
+        t.start()
+        object.__setattr__(self, "_inflight", t)
+        STORE.add(sess.run_rel, snap)
+        every = self._persist_every or sess.persist_every
+        writer = None
+        if every and index % every == 0 and sess.spec.rank == 0:
+            def writer(directory: str, snap=snap) -> None:
+                snap.complete.wait()
+                torch.save({"plain": snap.plain, "tensors": snap.tensors}, os.path.join(directory, STATE_FILE))
+        sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), writer,
+                             persist=bool(every and index % every == 0))
+
+    def _wait_copy(self) -> None:
+        t = self._inflight
+        if t is not None:
+            t.join()
+            object.__setattr__(self, "_inflight", None)
+
+    def snapshot_bytes(self) -> int:
+        """Host memory held by this process's snapshots."""
+        return STORE.nbytes()
+
+
+def restore_from_memory_possible(indices_per_member: Dict[int, List[int]]) -> Optional[int]:
+    """The newest snapshot index every member that holds snapshots has (pure)."""
+    sets = [set(v) for v in indices_per_member.values() if v]
+    if not sets:
+        return None
+    common = set.intersection(*sets)
+    return max(common) if common else None
+
+
+__all__ = ["ElasticState", "SnapshotStore", "STORE", "STATE_FILE", "restore_from_memory_possible"]

@@ -1,0 +1,77 @@
+"""In-place recovery from in-memory ElasticState snapshots, and zero lost steps on a
+preemption notice (a Ray node drain with a deadline), on a real local cluster."""
+
+import os
+import time
+
+import pytest
+
+from raylastic import CheckpointConfig, ElasticTrainer, RunConfig, ScalingConfig
+from raylastic.events import EventKind, load_events
+from raylastic.testing.faults import FitThread, RunWatcher, kill_node_at
+from raylastic.testing.train_funcs import mlp_bench
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _start(run_dir, name, tmp_path):
+    stop = tmp_path / f"stop-{name}"
+    cfg = {"elastic_state": True, "hidden": 256, "layers": 3, "stop_path": str(stop)}
+    trainer = ElasticTrainer(
+        mlp_bench, train_loop_config=cfg,
+        scaling_config=ScalingConfig(min_workers=2, max_workers=3),
+        run_config=RunConfig(name=name, storage_path=run_dir, verbose=False, progress=False,
+                             checkpoint_config=CheckpointConfig(persist_every=50, num_to_keep=2)),
+    )
+    th = FitThread(trainer)
+    th.start()
+    return th, RunWatcher(os.path.join(run_dir, name)), stop
+
+
+def test_node_loss_restores_from_peer_memory_and_new_worker_gets_state(local_cluster, restore_nodes,
+                                                                       run_dir, tmp_path):
+    th, w, stop = _start(run_dir, "mem", tmp_path)
+    kill_node_at(local_cluster, w, 60)
+    w.wait_for_event(EventKind.FIRST_STEP, 60, count=2)
+    local_cluster.add_node()
+    w.wait_for_event(EventKind.GROUP_FORMED, 90, count=3)
+    w.wait_for_event(EventKind.FIRST_STEP, 60, count=3)
+    stop.touch()
+    result = th.wait(120)
+    assert result.world_sizes == [3, 2, 3]
+    events = load_events(result.path)
+    restored = [e for e in events if e["kind"] == "checkpoint_restored"]
+    assert [e["source"] for e in restored] == ["memory", "memory"]
+    assert restored[1]["broadcast"] is True  # the new worker received the state from rank 0
+    loss_resize = next(e for e in events if e["kind"] == "resize" and not e["graceful"])
+    assert loss_resize["lost_steps"] <= 1, loss_resize
+    grow = next(e for e in events if e["kind"] == "resize" and e["graceful"])
+    assert grow["lost_steps"] == 0
+    steps = [m["metrics"]["step"] for m in w.metrics()]
+    assert steps == sorted(steps) or len(set(steps)) >= max(steps) - 1
+
+
+def test_preemption_notice_shrinks_with_zero_lost_steps(local_cluster, restore_nodes, run_dir, tmp_path):
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    th, w, stop = _start(run_dir, "drain", tmp_path)
+    w.wait_for_index(40, 120)
+    victim = w.current_group()["nodes"][-1]
+    deadline_ms = int((time.time() + 20) * 1000)
+    GcsClient(address=local_cluster.address).drain_node(
+        victim, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot reclaim (test)", deadline_ms)
+    notice = w.wait_for_event(EventKind.PREEMPTION_NOTICE, 30)
+    formed = w.wait_for_event(EventKind.GROUP_FORMED, 60, count=2)
+    assert victim not in formed["nodes"] and formed["world_size"] == 2
+    assert time.time() * 1000 < deadline_ms  # moved off before the deadline
+    local_cluster.remove_node(local_cluster.node_by_id(victim))  # the cloud takes it
+    w.wait_for_event(EventKind.FIRST_STEP, 60, count=2)
+    stop.touch()
+    result = th.wait(120)
+    events = load_events(result.path)
+    resize = next(e for e in events if e["kind"] == "resize")
+    assert resize["graceful"] and resize["lost_steps"] == 0, resize
+    assert notice["nodes"] == [victim]
+    assert not [e for e in events if e["kind"] == "failure"]  # no failure: a planned move
