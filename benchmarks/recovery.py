@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -61,8 +61,13 @@ def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
 
 
 def run_schedule(cluster, fit: Callable[[], Any], log_path: str, stop_path: str,
-                 kill_at: int, steps_between: int, timeout_s: float = 300) -> Dict[str, Any]:
-    """Drive one framework through the schedule; return the measured numbers."""
+                 kill_at: int, steps_between: int, timeout_s: float = 300,
+                 notice_s: Optional[float] = None) -> Dict[str, Any]:
+    """Drive one framework through the schedule; return the measured numbers.
+
+    ``notice_s``: announce the loss first (a Ray node drain with that deadline, what the
+    autoscaler/KubeRay do on a spot termination notice), and kill the node at the
+    deadline; otherwise kill it without warning."""
     box: Dict[str, Any] = {}
 
     def target():
@@ -76,11 +81,22 @@ def run_schedule(cluster, fit: Callable[[], Any], log_path: str, stop_path: str,
     th.start()
     log = lambda: _read_log(log_path)  # noqa: E731
     _wait(lambda: any(r["step"] >= kill_at for r in log()), timeout_s, f"step {kill_at}")
+    victim = cluster.worker_nodes[-1]
+    if notice_s is not None:
+        from ray._raylet import GcsClient
+        from ray.core.generated import autoscaler_pb2
+
+        t_notice = time.time()
+        GcsClient(address=cluster.address).drain_node(
+            victim.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "benchmark: spot termination notice", int((t_notice + notice_s) * 1000))
+        time.sleep(max(0.0, t_notice + notice_s - time.time()))  # the cloud keeps its word
     t_kill = time.time()
-    cluster.remove_node(cluster.worker_nodes[-1])
+    cluster.remove_node(victim)
     # The next completed step is the first one by the smaller group: a step of the old
     # group may still complete between the kill and its detection.
-    small = _wait(lambda: [r for r in log() if r["t"] > t_kill and r["world"] == 2], timeout_s,
+    t_from = t_notice if notice_s is not None else t_kill
+    small = _wait(lambda: [r for r in log() if r["t"] > t_from and r["world"] == 2], timeout_s,
                   "a step on the smaller group")
     first_small = small[0]
     _wait(lambda: len([r for r in log() if r["t"] > first_small["t"]]) >= steps_between, timeout_s,
@@ -101,9 +117,14 @@ def run_schedule(cluster, fit: Callable[[], Any], log_path: str, stop_path: str,
     steady = [r for r in before_kill if r["world"] == 3]
     dts = [b["t"] - a["t"] for a, b in zip(steady, steady[1:]) if b["step"] == a["step"] + 1]
     first = rows[0]
+    before_small = [r for r in rows if r["t"] < first_small["t"]]
+    out = {"announced": notice_s is not None, "notice_s": notice_s}
     return {
+        **out,
         "fit_to_first_step_s": round(first["t"] - t_fit, 3),
+        # announced: negative when the group shrank before the node died
         "node_loss_to_next_step_s": round(first_small["t"] - t_kill, 3),
+        "training_gap_s": round(first_small["t"] - before_small[-1]["t"], 3),
         "steps_lost_on_loss": _redone(rows, first_small),
         "node_added_to_first_step_s": round(first_grown["t"] - t_add, 3),
         "steps_lost_on_grow": _redone(rows, first_grown),
@@ -128,13 +149,30 @@ def _runs(values: List[int]) -> List[int]:
 
 
 def run_raylastic(cluster, cfg: Dict[str, Any], storage: str) -> Callable[[], Any]:
+    """raylastic with the same train function and checkpoint cadence as Ray Train."""
     from raylastic import ElasticTrainer, RunConfig, ScalingConfig
     from raylastic.testing.train_funcs import mlp_bench
 
     trainer = ElasticTrainer(
         mlp_bench, train_loop_config=cfg,
         scaling_config=ScalingConfig(min_workers=2, max_workers=3),
-        run_config=RunConfig(name="bench_raylastic", storage_path=storage, verbose=False),
+        run_config=RunConfig(name="bench_raylastic", storage_path=storage, verbose=False, progress=False),
+    )
+    return trainer.fit
+
+
+def run_raylastic_state(cluster, cfg: Dict[str, Any], storage: str) -> Callable[[], Any]:
+    """raylastic with ElasticState: an in-memory snapshot every step, persisted to
+    storage every 50 steps in the background."""
+    from raylastic import CheckpointConfig, ElasticTrainer, RunConfig, ScalingConfig
+    from raylastic.testing.train_funcs import mlp_bench
+
+    trainer = ElasticTrainer(
+        mlp_bench, train_loop_config=dict(cfg, elastic_state=True),
+        scaling_config=ScalingConfig(min_workers=2, max_workers=3),
+        run_config=RunConfig(name="bench_raylastic_state", storage_path=storage, verbose=False,
+                             progress=False,
+                             checkpoint_config=CheckpointConfig(persist_every=50, num_to_keep=2)),
     )
     return trainer.fit
 
@@ -203,6 +241,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--skip-ray-train", action="store_true")
+    ap.add_argument("--frameworks", default="raylastic,raylastic_state,ray_train",
+                    help="comma list of raylastic, raylastic_state, ray_train")
+    ap.add_argument("--scenarios", default="unannounced,announced",
+                    help="comma list: unannounced (kill), announced (drain with --notice-s, then kill)")
+    ap.add_argument("--notice-s", type=float, default=10.0)
     ap.add_argument("--out", default=os.path.join(RESULTS, "recovery.json"))
     args = ap.parse_args()
     # Ray Train's report() blocks until its controller polls; give it the same 0.1 s
@@ -227,29 +270,40 @@ def main() -> None:
     import torch
 
     results["versions"] = {"ray": ray.__version__, "torch": torch.__version__}
-    runners = [("raylastic", run_raylastic)]
-    if not args.skip_ray_train:
-        runners.append(("ray_train", run_ray_train))
-    for name, make in runners:
-        with tempfile.TemporaryDirectory() as tmp, LocalCluster(num_nodes=3) as cluster:
-            cfg = dict(model, checkpoint_every=10, log_path=os.path.join(tmp, "steps.jsonl"),
-                       stop_path=os.path.join(tmp, "stop"))
-            fit = make(cluster, cfg, os.path.join(tmp, "storage"))
-            print(f"== {name}", flush=True)
-            results[name] = run_schedule(cluster, fit, cfg["log_path"], cfg["stop_path"], kill_at, between)
-            print(json.dumps(results[name], indent=1), flush=True)
+    makers = {"raylastic": run_raylastic, "raylastic_state": run_raylastic_state, "ray_train": run_ray_train}
+    frameworks = [f for f in args.frameworks.split(",") if f and not (args.skip_ray_train and f == "ray_train")]
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    for scenario in scenarios:
+        for name in frameworks:
+            with tempfile.TemporaryDirectory() as tmp, LocalCluster(num_nodes=3) as cluster:
+                cfg = dict(model, checkpoint_every=10, log_path=os.path.join(tmp, "steps.jsonl"),
+                           stop_path=os.path.join(tmp, "stop"))
+                fit = makers[name](cluster, cfg, os.path.join(tmp, "storage"))
+                key = name if scenario == "unannounced" else f"{name}_announced"
+                print(f"== {key}", flush=True)
+                results[key] = run_schedule(cluster, fit, cfg["log_path"], cfg["stop_path"], kill_at, between,
+                                            notice_s=args.notice_s if scenario == "announced" else None)
+                print(json.dumps(results[key], indent=1), flush=True)
     results["plain_ddp"] = run_plain_ddp(model)
     print("== plain_ddp", json.dumps(results["plain_ddp"]), flush=True)
-    if "ray_train" in results:
-        rl, rt = results["raylastic"], results["ray_train"]
-        results["ratios_raylastic_over_ray_train"] = {
-            k: round(rl[k] / rt[k], 4) for k in
-            ("node_loss_to_next_step_s", "node_added_to_first_step_s", "fit_to_first_step_s", "steady_step_s")
-            if rl.get(k) and rt.get(k)
-        }
-    if results["raylastic"].get("steady_step_s"):
-        results["raylastic_steady_over_plain_ddp"] = round(
-            results["raylastic"]["steady_step_s"] / results["plain_ddp"]["steady_step_s"], 4)
+    ratios = {}
+    for mine in ("raylastic", "raylastic_state"):
+        for suffix in ("", "_announced"):
+            a, b = results.get(mine + suffix), results.get("ray_train" + suffix)
+            if a and b:
+                ratios[f"{mine}{suffix}_over_ray_train"] = {
+                    k: round(a[k] / b[k], 4) for k in
+                    ("node_loss_to_next_step_s", "training_gap_s", "node_added_to_first_step_s",
+                     "fit_to_first_step_s", "steady_step_s")
+                    if a.get(k) and b.get(k) and b[k] > 0 and a[k] > 0
+                }
+        if results.get(mine, {}).get("steady_step_s"):
+            ratios[f"{mine}_steady_over_plain_ddp"] = round(
+                results[mine]["steady_step_s"] / results["plain_ddp"]["steady_step_s"], 4)
+    if results.get("raylastic_state", {}).get("steady_step_s") and results.get("raylastic", {}).get("steady_step_s"):
+        ratios["snapshot_every_step_overhead_pct"] = round(
+            100 * (results["raylastic_state"]["steady_step_s"] / results["raylastic"]["steady_step_s"] - 1), 2)
+    results["ratios"] = ratios
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=1)

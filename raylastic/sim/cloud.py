@@ -184,7 +184,7 @@ class SpotCloud:
         self._lock = threading.RLock()
         self._gcs_lock = threading.Lock()
         self._noticed: Dict[str, float] = {}  # node id -> kill deadline (monotonic)
-        self._kill: List[str] = []
+        self._kill: List[Any] = []  # (node id, graceful)
         self._events: List[Dict[str, Any]] = []
         self._dir: Optional[Path] = None
         self._cluster = None
@@ -334,7 +334,7 @@ class SpotCloud:
         """Wait until every trace event has run and every preempted node is dead."""
         def done() -> bool:
             with self._lock:
-                killed = set(self._kill)
+                killed = {n for n, _ in self._kill}
             return self._scheduler.idle() and not killed & set(self.alive_nodes())
 
         _wait(done, timeout_s, "the trace and its preemptions to finish")
@@ -420,11 +420,11 @@ class SpotCloud:
                     f"raylastic.sim: {node_type} preempted, {notice_s:g} s notice", deadline_ms)
         self._record("notice", node_type, node_id, notice_s=notice_s,
                      detail={"drained": notice_s > 0 and accepted, "rejected": why or None})
-        self._scheduler.call_at(deadline, lambda: self._order_kill(node_id))
+        self._scheduler.call_at(deadline, lambda: self._order_kill(node_id, notice_s > 0))
 
-    def _order_kill(self, node_id: str) -> None:
+    def _order_kill(self, node_id: str, graceful: bool) -> None:
         with self._lock:
-            self._kill.append(node_id)
+            self._kill.append((node_id, graceful))
             self._write_control()
 
     def _write_control(self, shutdown: bool = False) -> None:

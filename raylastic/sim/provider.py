@@ -232,27 +232,29 @@ class SpotSimProvider(FakeMultiNodeProvider):
             try:
                 with self.lock:
                     self._refresh_control()
-                    to_kill = [n for n in self._control.get("kill", ()) if n not in self._killed]
+                    to_kill = [(n, g) for n, g in self._control.get("kill", ())
+                               if n not in self._killed]
                     shutdown = bool(self._control.get("shutdown"))
-                for node_id in to_kill:
-                    self._kill(node_id)
+                for node_id, graceful in to_kill:
+                    self._kill(node_id, graceful)
                 if shutdown:
                     self._shutdown_all()
                     return
             except Exception:  # noqa: BLE001  (keep polling; the cloud sees no kill record)
                 logger.exception("spot sim: control poll failed")
 
-    def _kill(self, node_id: str) -> None:
-        """Preemption at the deadline: SIGKILL the node and forget it, so the autoscaler
-        may launch a replacement."""
+    def _kill(self, node_id: str, graceful: bool) -> None:
+        """Preemption: stop the node (SIGTERM to its raylet when ``graceful``, the way a
+        VM shuts down at the end of a notice; SIGKILL otherwise) and forget it, so the
+        autoscaler may launch a replacement."""
         self._killed.add(node_id)
         with self.lock:
             entry = self._nodes.pop(node_id, None)
         if entry is None:
             return
-        self._stop_node(entry, graceful=False)
         self._record("preempted", entry["tags"].get(TAG_RAY_USER_NODE_TYPE), node_id,
-                     detail="killed at the preemption deadline")
+                     detail={"signal": "SIGTERM" if graceful else "SIGKILL"})
+        self._stop_node(entry, graceful=graceful)
 
     def _shutdown_all(self) -> None:
         self._stop.set()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -59,6 +60,13 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} {' '.join(proc.cmdline())[:120]}"
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return f"{proc.pid} (gone)"
+
+
 class RayHead:
     """A single-node Ray head started with ``ray start --head`` in its own temp dir.
 
@@ -75,6 +83,10 @@ class RayHead:
         self.temp_dir: Optional[str] = None
         self.gcs_port = self.dashboard_port = 0
         self._recorded: List[psutil.Process] = []  # psutil checks create_time: no PID reuse
+        self.survived_sigterm: List[str] = []
+        # Ray 2.60 turns token auth on for `ray start` when ~/.ray/auth_token exists, and a
+        # client given an explicit address only uses it with RAY_AUTH_MODE=token: pin both.
+        self.token = secrets.token_hex(32)
 
     @property
     def gcs_address(self) -> str:
@@ -84,11 +96,18 @@ class RayHead:
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
+    @property
+    def auth_env(self) -> Dict[str, str]:
+        """Token auth with this head's own token: never the shared ~/.ray/auth_token."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+
     def env(self, **extra: str) -> Dict[str, str]:
         """Environment for commands run against this head (RAY_ADDRESS unset, venv first)."""
         env = dict(os.environ)
-        env.pop("RAY_ADDRESS", None)
+        for var in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH"):
+            env.pop(var, None)
         env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+        env.update(self.auth_env)
         env.update(extra)
         return env
 
@@ -181,7 +200,9 @@ class RayHead:
             # nobody reaps would count as alive until the timeout.
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline and self.processes():
-                time.sleep(0.2)
+                time.sleep(0.3)
+            if sig == signal.SIGTERM:
+                self.survived_sigterm = [_describe(p) for p in self.processes()]
         left = self.processes()
         if not left and self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
@@ -201,8 +222,10 @@ def ray_head():
     try:
         yield head
     finally:
+        t0 = time.monotonic()
         left = head.stop()
-        assert not left, f"processes of the head left after stop: {[(p.pid, p.name()) for p in left]}"
+        print(f"head stopped in {time.monotonic() - t0:.1f} s; survived SIGTERM: {head.survived_sigterm}")
+        assert not left, f"processes of the head left after stop: {[_describe(p) for p in left]}"
         assert not [p for p in psutil.process_iter() if head._is_ours(p)]
 
 
@@ -280,10 +303,11 @@ def test_notebook(ray_head, tmp_path, monkeypatch):
     jupyter = tmp_path / "jupyter"
     kernel = _kernelspec(jupyter, {"RAY_ADDRESS": ray_head.gcs_address,
                                    "RAYLASTIC_STORAGE_PATH": str(storage),
-                                   MARKER_ENV: ray_head.temp_dir})
+                                   MARKER_ENV: ray_head.temp_dir, **ray_head.auth_env})
     monkeypatch.setenv("JUPYTER_PATH", str(jupyter))
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for var in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
     t0 = time.monotonic()
     client = NotebookClient(nb, kernel_name=kernel, timeout=180, startup_timeout=60,
                             resources={"metadata": {"path": str(tmp_path)}})

@@ -1,0 +1,456 @@
+"""Checkpoints on object storage, end to end: ElasticTrainer on a real local Ray cluster
+writing to real SeaweedFS (S3) and Azurite (Azure Blob) servers.
+
+- a node killed while its shard is being uploaded never leaves a loadable partial
+  checkpoint, and the run resumes from the previous committed one;
+- the S3 server stopped mid-run: uploads are retried and training continues once it is
+  back; an outage longer than the retry budget ends in a TrainingFailedError naming the store;
+- a run resumes on a brand-new cluster from S3 and from Azure.
+
+Credentials reach Ray workers the production way, through the environment: the module
+fixture sets them in os.environ *before* the cluster starts, so every raylet (and every
+worker it spawns) inherits them. The servers are private to this module (one is stopped
+and restarted); every run gets its own prefix. Waits are bounded and keyed on the ranks'
+own log lines (``raylastic.testing.ckpt_funcs``) and on storage listings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+import zlib
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+from raylastic import (
+    CheckpointConfig, ElasticTrainer, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError,
+)
+from raylastic.checkpoint import storage as storage_mod
+from raylastic.checkpoint.manager import MANIFEST, CheckpointManager
+from raylastic.checkpoint.storage import RetryPolicy, Storage
+from raylastic.events import EVENTS_FILE, EventLog, read_jsonl
+from raylastic.testing.ckpt_funcs import load_checkpoint, read_log, shard_name, sharded_checkpoints
+from raylastic.testing.cluster import LocalCluster, wait_until
+from raylastic.testing.faults import FitThread
+
+from storage_fixtures import clear_storage_env, create_azure_container  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+MB = 1024 * 1024
+CONTAINER = "checkpoints"
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def servers():
+    """A SeaweedFS and an Azurite of this module's own, their credentials in os.environ
+    (set before any cluster starts, restored afterwards)."""
+    from raylastic.testing.azurite import Azurite, AzuriteNotInstalled
+    from raylastic.testing.seaweedfs import SeaweedNotInstalled, SeaweedS3
+
+    try:
+        s3 = SeaweedS3(bucket="raylastic-e2e")
+        az = Azurite()
+    except (SeaweedNotInstalled, AzuriteNotInstalled) as exc:
+        pytest.skip(str(exc))
+    mp = pytest.MonkeyPatch()
+    try:
+        s3.start()
+        az.start()
+        clear_storage_env(mp)
+        for key, value in s3.env().items():
+            mp.setenv(key, value)
+        mp.setenv("AZURE_STORAGE_CONNECTION_STRING", az.connection_string)
+        create_azure_container(az.connection_string, CONTAINER)
+        yield SimpleNamespace(s3=s3, az=az)
+    finally:
+        mp.undo()
+        az.close()
+        s3.close()
+
+
+class _Clusters:
+    """The module's LocalCluster (head + 3 one-CPU nodes), replaceable by a fresh one."""
+
+    def __init__(self) -> None:
+        self.current: LocalCluster | None = None
+
+    def get(self) -> LocalCluster:
+        if self.current is None:
+            self.current = LocalCluster(num_nodes=3).start()
+        while len(self.current.worker_nodes) < 3:
+            self.current.add_node()
+        return self.current
+
+    def fresh(self) -> LocalCluster:
+        """Shut the cluster down completely (every raylet, the GCS) and start a new one."""
+        self.close()
+        return self.get()
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.shutdown()
+            self.current = None
+
+
+@pytest.fixture(scope="module")
+def clusters(servers):
+    holder = _Clusters()
+    try:
+        yield holder
+    finally:
+        holder.close()
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def _has_retry_knob() -> bool:
+    return "storage_retry" in {f.name for f in dataclasses.fields(RunConfig)}
+
+
+def _run_config(name: str, uri: str, monkeypatch=None, retry: RetryPolicy | None = None,
+                **kw) -> RunConfig:
+    """RunConfig for a test run; ``retry`` replaces the default RetryPolicy of the run's
+    Storage (through ``RunConfig(storage_retry=...)`` when that knob exists, else by making
+    the driver's ``Storage(uri)`` build it: the policy travels inside the pickled Storage to
+    the controller and every worker)."""
+    if retry is not None:
+        if _has_retry_knob():
+            kw["storage_retry"] = retry
+        else:
+            real = storage_mod.RetryPolicy
+            monkeypatch.setattr(storage_mod, "RetryPolicy",
+                                lambda *a, **k: real(*a, **k) if (a or k) else retry)
+    return RunConfig(name=name, storage_path=uri, verbose=False, progress=False,
+                     tensorboard=False, **kw)
+
+
+def _trainer(cfg: dict, run_config: RunConfig, workers: int = 2) -> ElasticTrainer:
+    return ElasticTrainer(sharded_checkpoints, train_loop_config=cfg,
+                          scaling_config=ScalingConfig(min_workers=workers, max_workers=workers),
+                          run_config=run_config)
+
+
+def _events(storage: Storage, run: str) -> list[dict]:
+    return list(read_jsonl(storage.read_bytes(f"{run}/{EVENTS_FILE}").decode(), EVENTS_FILE))
+
+
+def _kind(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["kind"] == kind]
+
+
+def _dir(index: int, epoch: int) -> str:
+    return f"checkpoint_{index:08d}-e{epoch}"
+
+
+def _scratch_events(path: str) -> EventLog:
+    """An event log outside the run, so checking a run never writes into it."""
+    return EventLog(Storage(path), "events", verbose=False)
+
+
+def _fresh_manager(storage: Storage, run: str, events: EventLog) -> CheckpointManager:
+    """A manager as a new controller would build it (it scans storage afresh)."""
+    return CheckpointManager(storage, run, None, events)
+
+
+def _missing_or_short(storage: Storage, rel: str, files: list) -> list[str]:
+    import pyarrow.fs as pafs
+
+    infos = storage.fs.get_file_info([storage.path(rel, f[0]) for f in files])
+    return [f[0] for f, i in zip(files, infos) if i.type != pafs.FileType.File or i.size != int(f[1])]
+
+
+def _crc_mismatches(storage: Storage, rel: str, files: list) -> list[str]:
+    bad = []
+    for name, size, crc in files:
+        data = storage.read_bytes(f"{rel}/{name}")
+        if len(data) != int(size) or f"crc32:{zlib.crc32(data):08x}" != crc:
+            bad.append(name)
+    return bad
+
+
+class CommitMonitor(threading.Thread):
+    """Watches a run's checkpoints on storage while it trains: which directories ever had a
+    manifest, whether a committed one ever lacked a file, and what a fresh manager's
+    ``latest_valid()`` returned (and whether that one's files were complete)."""
+
+    def __init__(self, uri: str, run: str, scratch: str, interval_s: float = 0.2):
+        super().__init__(daemon=True, name="commit-monitor")
+        self.storage = Storage(uri)
+        self.run_name, self.interval_s = run, interval_s
+        self.events = _scratch_events(scratch)
+        self.committed: set[str] = set()
+        self.latest_valid: list[tuple[int, int]] = []
+        self.violations: list[str] = []
+        self.errors: list[str] = []
+        self.rounds = 0
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        ckpts = f"{self.run_name}/checkpoints"
+        while not self._stop.is_set():
+            try:
+                for name in self.storage.list_dir(ckpts):
+                    rel = f"{ckpts}/{name}"
+                    try:
+                        manifest = json.loads(self.storage.read_bytes(f"{rel}/{MANIFEST}"))
+                    except FileNotFoundError:
+                        continue
+                    self.committed.add(name)
+                    short = _missing_or_short(self.storage, rel, manifest["files"])
+                    # Retention deletes the manifest first: only a manifest that is still there
+                    # next to missing files is a violation.
+                    if short and self.storage.exists(f"{rel}/{MANIFEST}"):
+                        self.violations.append(f"{name} committed but {short} incomplete")
+                best = _fresh_manager(self.storage, self.run_name, self.events).latest_valid()
+                if best is not None:
+                    self.latest_valid.append((best.index, best.epoch))
+                    short = _missing_or_short(self.storage, best.rel, best.files)
+                    if short and self.storage.exists(f"{best.rel}/{MANIFEST}"):
+                        self.violations.append(f"latest_valid() gave {best.rel} with {short} incomplete")
+                self.rounds += 1
+            except Exception as e:  # noqa: BLE001 - a listing racing a delete: note, go on
+                self.errors.append(f"{type(e).__name__}: {e}")
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.join(30)
+        self.events.close()
+
+
+def _log(log_dir: str, kind: str | None = None, **match) -> list[dict]:
+    return [r for r in read_log(log_dir)
+            if (kind is None or r["kind"] == kind) and all(r.get(k) == v for k, v in match.items())]
+
+
+# ------------------------------------------------------------------------------ 1. node loss
+
+def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
+        clusters, servers, tmp_path):
+    cluster = clusters.get()
+    run, every, total = "killed-upload", 5, 30
+    uri = servers.s3.uri(f"e2e-{uuid.uuid4().hex[:8]}")
+    log_dir = str(tmp_path / "log")
+    os.makedirs(log_dir)
+    cfg = {"total_steps": total, "checkpoint_every": every, "step_sleep_s": 0.2, "log_dir": log_dir,
+           "shard_bytes": {1: 48 * MB}}  # rank 1's upload takes a while; rank 0's is small
+    trainer = _trainer(cfg, _run_config(run, uri, failure_config=FailureConfig(max_failures=0),
+                                        checkpoint_config=CheckpointConfig(num_to_keep=2)))
+    storage = Storage(uri)
+    ckpts = f"{run}/checkpoints"
+    scratch = _scratch_events(str(tmp_path / "scratch-main"))
+    monitor = CommitMonitor(uri, run, str(tmp_path / "scratch"))
+    monitor.start()
+    th = FitThread(trainer)
+    th.start()
+
+    # Freeze rank 1 right after its report(checkpoint) returned, i.e. while its background
+    # upload runs; keep it frozen only if storage confirms the upload is still in flight (its
+    # shard absent, no manifest) and the checkpoint before it is committed. Otherwise let it
+    # go and try the next checkpoint.
+    victim, seen = None, set()
+    deadline = time.monotonic() + 150
+    while victim is None:
+        assert time.monotonic() < deadline, f"no in-flight upload caught; log: {read_log(log_dir)[-5:]}"
+        assert th.is_alive(), f"fit() ended early: {th.error or th.result}"
+        for rec in _log(log_dir, "reported", rank=1, epoch=1, checkpoint=True):
+            if rec["index"] in seen or rec["index"] < 2 * every:
+                continue
+            seen.add(rec["index"])
+            start = _log(log_dir, "start", rank=1, epoch=1)[0]
+            os.kill(start["pid"], signal.SIGSTOP)
+            listing = storage.list_dir(f"{ckpts}/{_dir(rec['index'], 1)}")
+            previous = _dir(rec["index"] - every, 1)
+            if shard_name(1) not in listing and MANIFEST not in listing \
+                    and storage.exists(f"{ckpts}/{previous}/{MANIFEST}"):
+                victim = {"index": rec["index"], "pid": start["pid"], "node_id": start["node_id"],
+                          "listing": listing, "previous": previous}
+                break
+            os.kill(start["pid"], signal.SIGCONT)
+        time.sleep(0.005)
+
+    # The node dies with the upload in flight: raylet first, then the (frozen) worker.
+    cluster.remove_node(cluster.node_by_id(victim["node_id"]))
+    wait_until(lambda: victim["node_id"] not in cluster.alive_node_ids(), 30, what="node death")
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed_at = time.time()
+    partial = f"{ckpts}/{_dir(victim['index'], 1)}"
+    assert not storage.exists(f"{partial}/{MANIFEST}")
+    best = _fresh_manager(storage, run, scratch).latest_valid()
+    assert best is not None and (best.index, best.epoch) != (victim["index"], 1)
+    assert best.rel.endswith(victim["previous"])
+    assert _missing_or_short(storage, best.rel, best.files) == []
+    assert _crc_mismatches(storage, best.rel, best.files) == []
+
+    result = th.wait(240)
+    monitor.stop()
+
+    assert result.error is None and result.metrics["step"] == total
+    assert result.world_sizes == [2, 2]
+    events = _events(storage, run)
+    lost = _kind(events, "worker_lost")
+    assert [(e["node_id"], e["cause"]) for e in lost] == [(victim["node_id"], "node_lost")]
+    # The partial index never got a manifest, and the run resumed from the one before it.
+    prev_index = victim["index"] - every
+    assert [(e["index"], e["epoch"]) for e in _kind(events, "checkpoint_restored")] == [(prev_index, 2)]
+    committed_e1 = [e["index"] for e in _kind(events, "checkpoint_committed") if e["epoch"] == 1]
+    assert committed_e1 and max(committed_e1) == prev_index
+    assert _dir(victim["index"], 1) not in monitor.committed
+    assert (victim["index"], 1) not in monitor.latest_valid
+    assert monitor.rounds >= 5 and monitor.violations == [], (monitor.violations, monitor.errors)
+    # The new group loaded that checkpoint whole, on every rank.
+    restored = _log(log_dir, "restored", epoch=2)
+    assert sorted(r["rank"] for r in restored) == [0, 1]
+    assert all(r["step"] == prev_index and r["problems"] == [] for r in restored)
+    assert all(r["t"] > killed_at for r in restored)
+    # The uncommitted directory was cleaned up; the last checkpoint is the final step.
+    assert _dir(victim["index"], 1) not in storage.list_dir(ckpts)
+    final = _fresh_manager(storage, run, scratch).latest_valid()
+    assert final.index == total and load_checkpoint(result.checkpoint)["problems"] == []
+
+
+# ------------------------------------------------------------------------------ 2. outages
+
+def _wait_quiet_point(storage: Storage, run: str, log_dir: str, min_index: int) -> int:
+    """Wait until both ranks' last reported checkpoint (>= min_index) is committed and the
+    next one is not reported yet: no upload or commit is in flight, so the first storage
+    call an outage starting now hits is a worker's upload of the next checkpoint."""
+
+    def quiet():
+        reps = _log(log_dir, "reported", epoch=1, checkpoint=True)
+        both = [i for i in {r["index"] for r in reps}
+                if {r["rank"] for r in reps if r["index"] == i} == {0, 1}]
+        if not both or max(r["index"] for r in reps) != max(both) or max(both) < min_index:
+            return None
+        last = max(both)
+        return last if storage.exists(f"{run}/checkpoints/{_dir(last, 1)}/{MANIFEST}") else None
+
+    return wait_until(quiet, 120, interval_s=0.02, what="a committed checkpoint with none pending")
+
+
+def test_storage_outage_is_retried_and_training_continues(clusters, servers, tmp_path, monkeypatch):
+    clusters.get()
+    s3 = servers.s3
+    run, every, total = "outage", 4, 32
+    uri = s3.uri(f"e2e-{uuid.uuid4().hex[:8]}")
+    log_dir = str(tmp_path / "log")
+    os.makedirs(log_dir)
+    # 60 attempts with up to 1 s of jittered backoff each: a budget of about 30 s, well past
+    # the few seconds a SeaweedFS restart takes.
+    retry = RetryPolicy(max_attempts=60, base_delay_s=0.2, max_delay_s=1.0)
+    cfg = {"total_steps": total, "checkpoint_every": every, "step_sleep_s": 0.1,
+           "log_dir": log_dir, "default_shard_bytes": 1 * MB}
+    trainer = _trainer(cfg, _run_config(run, uri, monkeypatch, retry=retry,
+                                        failure_config=FailureConfig(max_failures=0)))
+    storage = Storage(uri)
+    th = FitThread(trainer)
+    th.start()
+    _wait_quiet_point(storage, run, log_dir, every)
+    s3.stop(grace_s=0)  # SIGKILL: connections refused from now on
+    t_stop = time.time()
+    try:
+        # Both ranks handed the next checkpoint to the uploader while the store was down and
+        # went on to the next step: their uploads are retrying in the background.
+        def handed_over():
+            during = [r for r in _log(log_dir, "reported", epoch=1, checkpoint=True) if r["t"] > t_stop]
+            if {r["rank"] for r in during} != {0, 1}:
+                return None
+            first = min(r["index"] for r in during)
+            after = {r["rank"] for r in _log(log_dir, "reported", epoch=1) if r["index"] == first + 1}
+            return first if after == {0, 1} else None
+
+        outage_index = wait_until(handed_over, 60, what="checkpoint reports during the outage")
+        assert th.is_alive()
+    finally:
+        s3.start()
+    t_back = time.time()
+
+    result = th.wait(180)
+    assert result.error is None and result.metrics["step"] == total
+    assert result.world_sizes == [2] and result.restarts == 0
+    events = _events(storage, run)
+    assert not _kind(events, "failure") and not _kind(events, "worker_lost")
+    committed = {e["index"]: e for e in _kind(events, "checkpoint_committed")}
+    # Nothing was dropped: every checkpoint, including the one reported while the store was
+    # down, was uploaded (after retries) and committed.
+    assert sorted(committed) == list(range(every, total + 1, every))
+    retried = committed[outage_index]
+    assert retried["upload_s"] >= 0.5 * (t_back - t_stop), (retried, t_back - t_stop)
+    assert load_checkpoint(result.checkpoint)["problems"] == []
+
+
+def test_storage_outage_longer_than_the_retry_budget_fails_clearly(clusters, servers, tmp_path):
+    clusters.get()
+    s3 = servers.s3
+    run, every = "outage-too-long", 4
+    uri = s3.uri(f"e2e-{uuid.uuid4().hex[:8]}")
+    log_dir = str(tmp_path / "log")
+    os.makedirs(log_dir)
+    cfg = {"total_steps": 400, "checkpoint_every": every, "step_sleep_s": 0.1, "log_dir": log_dir}
+    # The default RetryPolicy (5 attempts, a few seconds of backoff at most).
+    trainer = _trainer(cfg, _run_config(run, uri, failure_config=FailureConfig(max_failures=0)))
+    storage = Storage(uri)
+    th = FitThread(trainer)
+    th.start()
+    _wait_quiet_point(storage, run, log_dir, 2 * every)
+    s3.stop(grace_s=0)
+    t_stop = time.monotonic()
+    try:
+        with pytest.raises(TrainingFailedError) as info:
+            th.wait(120)
+        took = time.monotonic() - t_stop
+    finally:
+        s3.start()
+    text = str(info.value)
+    assert "max_failures=0" in text
+    assert "could not persist checkpoint" in text
+    assert f"s3 bucket {s3.bucket!r} at {s3.endpoint}" in text
+    assert "still failing after 5 attempt(s)" in text
+    assert s3.secret_key not in text
+    assert {f.kind for f in info.value.failures} == {"error"}
+    assert took < 60, f"the failure took {took:.0f} s to surface"
+
+
+# ------------------------------------------------------------------------------ 3. fresh cluster
+
+@pytest.mark.parametrize("backend", ["s3", "azure"])
+def test_resume_on_a_fresh_cluster(clusters, servers, tmp_path, backend):
+    prefix = f"e2e-{uuid.uuid4().hex[:8]}"
+    uri = servers.s3.uri(prefix) if backend == "s3" else f"abfs://{CONTAINER}/{prefix}"
+    run = f"fresh-{backend}"
+    storage = Storage(uri)
+
+    def fit(total: int, log_dir: str):
+        os.makedirs(log_dir)
+        cfg = {"total_steps": total, "checkpoint_every": 3, "log_dir": log_dir}
+        return _trainer(cfg, _run_config(run, uri)).fit()
+
+    first_cluster = clusters.get()
+    first = fit(7, str(tmp_path / "log1"))
+    assert first.metrics["step"] == 7 and first.path == f"{storage.uri}/{run}"
+    first_address = first_cluster.address
+
+    second_cluster = clusters.fresh()
+    assert second_cluster.address != first_address and ray.is_initialized()
+    second = fit(12, str(tmp_path / "log2"))
+
+    restored = _log(str(tmp_path / "log2"), "restored", epoch=1)
+    assert sorted(r["rank"] for r in restored) == [0, 1]
+    assert all(r["step"] == 7 and r["problems"] == [] for r in restored), restored
+    events = _events(storage, run)
+    starts = _kind(events, "run_started")
+    assert [s["resume_from"] for s in starts] == [None, 7]
+    assert [e["index"] for e in _kind(events, "checkpoint_restored")] == [7]
+    assert second.error is None and second.metrics["step"] == 12
+    assert second.return_value["restored_from"] == 7
+    assert load_checkpoint(second.checkpoint)["step"] == 12
