@@ -42,6 +42,10 @@ class ScalingConfig:
         validate_resources: reject resource names that no node offers at ``fit()``
             time. Turn off on an autoscaling cluster that starts without the nodes
             that carry a custom resource.
+        capacity: a ``raylastic.policies.capacity.CapacityPolicy``: spot first,
+            on-demand fallback, back to spot (see docs/spot.md). Workers are then placed
+            per node type (custom resource ``node_type:<name>``) and the autoscaler is
+            asked for slots of each type. ``None``: any node with the resources.
     """
 
     min_workers: int = 1
@@ -50,6 +54,7 @@ class ScalingConfig:
     use_gpu: bool = False
     max_wait_s: Optional[float] = None
     validate_resources: bool = True
+    capacity: Optional[Any] = None
 
     def __post_init__(self) -> None:
         _check(
@@ -95,11 +100,23 @@ class ScalingConfig:
                     f">= 0, got {amount!r}.",
                 )
             gpus = self.resources_per_worker.get("GPU", 0)
+
             _check(
                 not (gpus and not self.use_gpu),
                 "ScalingConfig.resources_per_worker asks for GPU but use_gpu=False. "
                 "Fix: pass use_gpu=True (NCCL) or drop 'GPU' from resources_per_worker.",
             )
+
+        if self.capacity is not None:
+            from raylastic.policies.capacity import CapacityPolicy
+
+            _check(isinstance(self.capacity, CapacityPolicy),
+                   "ScalingConfig.capacity must be a raylastic.policies.capacity.CapacityPolicy, got "
+                   f"{type(self.capacity).__name__}.")
+            try:
+                self.capacity.validate_scaling(min_workers=self.min_workers, max_workers=self.max_workers)
+            except ValueError as e:
+                raise ConfigError(f"ScalingConfig.capacity: {e}") from None
 
     def worker_resources(self) -> Dict[str, float]:
         """The Ray resources one worker actor reserves."""

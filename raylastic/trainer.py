@@ -100,6 +100,12 @@ class ElasticTrainer:
         from raylastic.checkpoint.storage import Storage
 
         storage = Storage(self._run.storage_path)  # bad URIs / credentials fail here
+        from raylastic._internal.cluster.notices import sources_from_env
+
+        try:  # a bad RAYLASTIC_PREEMPTION_SOURCES fails here, not in every worker
+            sources_from_env()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if not ray.is_initialized():
             ray.init(log_to_driver=True)
         if self._scaling.validate_resources:

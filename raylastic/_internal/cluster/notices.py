@@ -6,14 +6,7 @@ metadata service and returns a :class:`PreemptionNotice` or ``None``. A
 first notice (in raylastic: drain this Ray node, see ``drain.py``; the controller then
 moves the node's workers off gracefully). No Ray, no torch here: ``urllib`` only.
 
-Defaults (``docs/preemption.md``):
-
-| source | endpoint | poll | notice |
-|---|---|---|---|
-| ``aws`` | ``http://169.254.169.254/latest/meta-data/spot/instance-action`` (IMDSv2 token, v1 fallback) | 5 s | ~120 s |
-| ``azure`` | ``http://169.254.169.254/metadata/scheduledevents`` (``Metadata: true``) | 1 s | >= 30 s |
-| ``gcp`` | ``http://metadata.google.internal/computeMetadata/v1/instance/preempted`` (``Metadata-Flavor: Google``) | 1 s | 30 s |
-
+Endpoints, defaults (below), polling and how a notice flows: ``docs/preemption.md``.
 Environment variables are read in :func:`sources_from_env` only; explicit constructor
 arguments win.
 """

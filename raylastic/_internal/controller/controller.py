@@ -87,6 +87,14 @@ class Controller:
         self._world_sizes: List[int] = []
         self._step_time_s = 0.05  # running estimate, used to place graceful stops
         self._last_rank0: Optional[tuple] = None  # (index, monotonic time)
+        self._capacity = None
+        if scaling.capacity is not None:
+            from raylastic._internal.cluster.capacity_driver import CapacityDriver
+
+            self._capacity = CapacityDriver(scaling.capacity, min_workers=scaling.min_workers,
+                                            max_workers=scaling.max_workers, pool=self._pool,
+                                            events=self._events)
+        self._last_committed_seen: Optional[int] = None
         self._recoveries = 0
         self._draining: Dict[str, int] = {}
         self._draining_checked_at = 0.0
@@ -124,11 +132,15 @@ class Controller:
             resume_from=self._ckpt.latest().index if self._ckpt.latest() else None,
         )
         self._ckpt.delete_uncommitted()
+        if self._capacity is not None:
+            self._capacity.start()
         try:
             while not is_terminal(self._state):
                 if self._stop_requested.is_set():
                     self._abort_all("stop requested (Ctrl-C or shutdown)")
                     self._set_state(Errored(TrainingAborted("training was interrupted")))
+                    break
+                if self._capacity is not None and not self._capacity_step():
                     break
                 for h in self._pool.refresh():
                     self._events.emit(EventKind.WORKER_READY, wid=h.wid, node_id=h.node_id,
@@ -143,6 +155,8 @@ class Controller:
                 if h.ready:
                     self._events.emit(EventKind.WORKER_RELEASED, wid=h.wid, node_id=h.node_id)
             self._pool.shutdown()
+            if self._capacity is not None:
+                self._capacity.release()
             if self._tb is not None:
                 self._tb.close()
         return self._outcome()
@@ -166,6 +180,39 @@ class Controller:
         if isinstance(st, Resizing):
             return self._step_resizing(st)
         raise AssertionError(f"no step for {st!r}")
+
+    # -- capacity (spot / on-demand) ------------------------------------------------
+    def _capacity_step(self) -> bool:
+        """Run the capacity policy; False when the run must end (max_wait_s ran out)."""
+        from raylastic.policies.capacity import CapacityTimeoutError
+
+        st = self._state
+        members = list(getattr(st, "members", []))
+        latest = self._ckpt.latest()
+        boundary = (latest is not None and latest.index != self._last_committed_seen) or \
+            bool(members and all(m.snapshots for m in members))
+        self._last_committed_seen = latest.index if latest else None
+        self._drained(members)  # refresh the draining view the policy excludes
+        try:
+            migration = self._capacity.tick(members, self._draining, boundary)
+        except CapacityTimeoutError as e:
+            self._abort_all(f"capacity wait exhausted: {e}")
+            self._stop_members(members, graceful=False)
+            self._set_state(Errored(e))
+            return False
+        if migration is not None and isinstance(st, Running):
+            self._set_state(self._migrate(st, migration))
+        return True
+
+    def _migrate(self, st: Running, migration) -> object:
+        """Swap on-demand members for ready spot workers at this boundary."""
+        od = {t.name for t in self._capacity.policy.node_types if t.market.value == "on_demand"}
+        on_demand = [m for m in st.members if m.node_type in od]
+        leaving = sorted(on_demand, key=lambda m: -m.prev_rank)[:migration.workers]
+        for name in od:  # do not refill the slots being given back
+            self._pool.targets[name] = migration.target.get(name, 0)
+        return Resizing(epoch=st.epoch, members=st.members, reason=migration.reason, graceful=True,
+                        target_world_size=len(st.members), started_at=time.monotonic(), leaving=leaving)
 
     # -- Scheduling ----------------------------------------------------------------
     def _step_scheduling(self, st: Scheduling) -> object:
@@ -480,13 +527,13 @@ class Controller:
         if lost:
             return self._on_failure(running, lost, causes, [])
         snapshots = all(m.snapshots for m in st.members)
-        urgent = bool(st.leaving)
-        target = self._choose_stop_index(current, snapshots or urgent)
+        budget = self._time_to_deadline(st.leaving)
+        target = self._choose_stop_index(current, snapshots, budget)
         for _ in range(5):
             answers = ray.get([m.actor.request_stop_at.remote(target) for m in st.members], timeout=30)
             if all(a["ok"] for a in answers):
                 break
-            target = self._choose_stop_index(max(a["index"] for a in answers), snapshots or urgent)
+            target = self._choose_stop_index(max(a["index"] for a in answers), snapshots, budget)
         self._events.emit(EventKind.DECISION, f"stopping workers after report {target} to resize",
                           decision="stop_at", stop_at=target)
         deadline = time.monotonic() + JOIN_TIMEOUT_S + max(5.0, (target - current) * self._step_time_s * 3)
@@ -508,30 +555,40 @@ class Controller:
                 if errors:
                     return self._on_failure(running, [], {}, errors)
                 self._stop_members(st.members, graceful=True)
-                for m in st.leaving:  # drained: its node goes away at the deadline
-                    self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} released "
-                                      f"from draining node {m.node_id[:8]}", rank=m.prev_rank,
-                                      node_id=m.node_id, cause="preempted", wid=m.wid)
+                for m in st.leaving:  # drained (its node goes away) or migrated to spot
+                    cause = "preempted" if m.node_id in self._draining else "released"
+                    self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} {cause}: "
+                                      f"off node {m.node_id[:8]} ({st.reason})", rank=m.prev_rank,
+                                      node_id=m.node_id, cause=cause, wid=m.wid)
                     self._pool.remove(m, kill=True)
                 return None
             time.sleep(min(0.05, self._run.poll_interval_s))
         self._stop_members(st.members, graceful=False)
         return None
 
-    def _choose_stop_index(self, current: int, soon: bool = False) -> int:
-        """A report index every rank can still reach. With in-memory snapshots (or a
-        deadline) as soon as possible; otherwise the next checkpoint boundary if it is
-        near, so the new group loses no steps."""
+    def _time_to_deadline(self, leaving: List[WorkerHandle]) -> float:
+        """Seconds until the earliest drain deadline of the leaving members (inf if none)."""
+        deadlines = [self._draining.get(m.node_id) for m in leaving]
+        deadlines = [d / 1000.0 for d in deadlines if d]
+        return min(deadlines) - time.time() if deadlines else float("inf")
+
+    def _choose_stop_index(self, current: int, snapshots: bool = False,
+                           budget_s: float = float("inf")) -> int:
+        """A report index every rank can still reach. With in-memory snapshots every
+        index is a restore point: as soon as possible. Otherwise the next checkpoint
+        boundary when it comes soon enough (within 20 s, and before a drain deadline
+        with a safety margin), so the new group loses no steps."""
         ahead = max(2, math.ceil(STOP_AHEAD_S / max(self._step_time_s, 1e-4)))
         target = current + ahead
-        if soon:
+        if snapshots:
             return target
+        wait_s = min(MAX_WAIT_FOR_BOUNDARY_S, budget_s * 0.7 - 1.0)
         committed = self._ckpt.committed
-        if len(committed) >= 2:
+        if len(committed) >= 2 and wait_s > 0:
             period = committed[-1].index - committed[-2].index
             if period > 0:
                 boundary = committed[-1].index + period * math.ceil((target - committed[-1].index) / period)
-                if (boundary - current) * self._step_time_s <= MAX_WAIT_FOR_BOUNDARY_S:
+                if (boundary - current) * self._step_time_s <= wait_s:
                     target = boundary
         return target
 

@@ -30,6 +30,7 @@ class WorkerHandle:
     created_at: float
     info: Optional[Dict[str, Any]] = None
     ready_at: Optional[float] = None
+    node_type: Optional[str] = None  # the node type it was placed for (capacity policy)
     prev_rank: int = 1 << 30  # rank in the last group (new workers sort last)
     snapshots: List[int] = field(default_factory=list)  # in-memory ElasticState snapshots held
 
@@ -46,16 +47,38 @@ class WorkerPool:
     def __init__(self, *, target: int, resources: Dict[str, float], use_gpu: bool, storage,
                  run_rel: str, run_name: str, async_upload: bool = True,
                  persist_every: Optional[int] = None):
-        self._target = target
         self._resources = dict(resources)
         self._use_gpu = use_gpu
         self._init_args = (storage, run_rel, run_name, async_upload, persist_every)
         self._ids = itertools.count()
         self.workers: Dict[int, WorkerHandle] = {}
         self.last_ready_at: Optional[float] = None
+        # Worker slots wanted per node type; the key None means "any node" (no capacity
+        # policy). A capacity policy replaces it with e.g. {"spot": 3, "on_demand": 1}.
+        self.targets: Dict[Optional[str], int] = {None: target}
 
-    def _actor_options(self) -> Dict[str, Any]:
+    def set_targets(self, targets: Dict[Optional[str], int], protect: List[WorkerHandle]) -> None:
+        """Change how many workers of each node type to keep; surplus pending actors go
+        first, then idle ready ones. Members of the running group (``protect``) stay."""
+        self.targets = dict(targets)
+        keep = {h.wid for h in protect}
+        for t in {h.node_type for h in self.workers.values()}:
+            surplus = self.count(t) - self.targets.get(t, 0)
+            victims = sorted((h for h in self.workers.values() if h.node_type == t and h.wid not in keep),
+                             key=lambda h: (h.ready, -h.wid))
+            for h in victims[:max(0, surplus)]:
+                self.remove(h, kill=True)
+
+    def count(self, node_type: Optional[str], ready_only: bool = False) -> int:
+        return sum(1 for h in self.workers.values()
+                   if h.node_type == node_type and (h.ready or not ready_only))
+
+    def _actor_options(self, node_type: Optional[str] = None) -> Dict[str, Any]:
         res = dict(self._resources)
+        if node_type is not None:
+            from raylastic.policies.node_types import RESOURCE_PREFIX
+
+            res[f"{RESOURCE_PREFIX}{node_type}"] = 1.0
         opts: Dict[str, Any] = {
             "num_cpus": res.pop("CPU", 0),
             "num_gpus": res.pop("GPU", 0),
@@ -71,14 +94,20 @@ class WorkerPool:
         return opts
 
     def fill(self) -> int:
-        """Ask for actors until ``target`` are alive or pending; returns how many new."""
+        """Ask for actors until each node type's target is alive or pending; returns how
+        many were asked for."""
         n = 0
-        cls = ray.remote(TrainWorker).options(**self._actor_options())
-        while len(self.workers) < self._target:
-            actor = cls.remote(*self._init_args)
-            wid = next(self._ids)
-            self.workers[wid] = WorkerHandle(wid, actor, actor.info.remote(), time.monotonic())
-            n += 1
+        for node_type, want in self.targets.items():
+            missing = want - self.count(node_type)
+            if missing <= 0:
+                continue
+            cls = ray.remote(TrainWorker).options(**self._actor_options(node_type))
+            for _ in range(missing):
+                actor = cls.remote(*self._init_args)
+                wid = next(self._ids)
+                self.workers[wid] = WorkerHandle(wid, actor, actor.info.remote(), time.monotonic(),
+                                                 node_type=node_type)
+                n += 1
         return n
 
     def refresh(self) -> List[WorkerHandle]:

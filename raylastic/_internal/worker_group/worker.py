@@ -61,6 +61,12 @@ class TrainWorker:
         self._uploader = AsyncUploader(storage)
         self._async_upload = async_upload
         self._persist_every = persist_every
+        from raylastic._internal.cluster.drain import start_preemption_watcher
+
+        # Cloud spot/preemption notices -> a Ray drain of this node, which the controller
+        # turns into a graceful shrink (docs/preemption.md). None unless
+        # RAYLASTIC_PREEMPTION_SOURCES names a source.
+        self._notice_watcher = start_preemption_watcher()
         self._run_rel = run_rel
         self._run_name = run_name
         self._lock = threading.Lock()
