@@ -208,6 +208,7 @@ def _ddp_worker(rank: int, world: int, port: int, cfg: Dict[str, Any], steps: in
     ddp = nn.parallel.DistributedDataParallel(nn.Sequential(*mods, nn.Linear(hidden, 1)))
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     times = []
+    log = open(out + f".steps-{rank}", "a")
     for step in range(steps):
         t0 = time.perf_counter()
         g = torch.Generator().manual_seed(step * 7919 + rank)
@@ -216,7 +217,15 @@ def _ddp_worker(rank: int, world: int, port: int, cfg: Dict[str, Any], steps: in
         opt.zero_grad()
         loss.backward()
         opt.step()
+        # the same per-step extras as mlp_bench (stop-flag all-reduce, rank-0 step log),
+        # so the comparison isolates the framework
+        stop = torch.tensor([0.0])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            log.write(json.dumps({"t": time.time(), "step": step, "world": world}) + "\n")
+            log.flush()
         times.append(time.perf_counter() - t0)
+    log.close()
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(times, fh)
@@ -232,6 +241,11 @@ def run_plain_ddp(cfg: Dict[str, Any], world: int = 3, steps: int = 200) -> Dict
     out = tempfile.mktemp(suffix=".json")
     mp.spawn(_ddp_worker, args=(world, port, cfg, steps, out), nprocs=world, join=True)
     times = json.load(open(out))[20:]
+    for r in range(world):
+        try:
+            os.remove(out + f".steps-{r}")
+        except OSError:
+            pass
     return {"steady_step_s": round(statistics.median(times), 5), "world_size": world, "steps": steps}
 
 

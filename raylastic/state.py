@@ -166,12 +166,16 @@ class ElasticState:
 
     def __init__(self, *, model: Optional[torch.nn.Module] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler: Any = None,
-                 loader: Any = None, persist_every: Optional[int] = None, **attrs: Any):
+                 loader: Any = None, persist_every: Optional[int] = None, snapshot_every: int = 1,
+                 **attrs: Any):
+        if not isinstance(snapshot_every, int) or snapshot_every < 1:
+            raise ValueError(f"ElasticState(snapshot_every={snapshot_every!r}) must be an int >= 1")
         object.__setattr__(self, "_objs", {k: v for k, v in {
             "model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "loader": loader,
         }.items() if v is not None})
         object.__setattr__(self, "_attrs", dict(attrs))
         object.__setattr__(self, "_persist_every", persist_every)
+        object.__setattr__(self, "_snapshot_every", snapshot_every)
         object.__setattr__(self, "restored_from", "none")
         sess = _session._get_session()
         object.__setattr__(self, "_sess", sess)
@@ -255,12 +259,19 @@ class ElasticState:
     def commit(self, metrics: Optional[Dict[str, Any]] = None) -> None:
         """Snapshot this step's state and report ``metrics`` (default ``attrs``).
 
-        The copy happens now, into recycled buffers. Every ``persist_every`` commits (or
+        The copy happens now, into recycled buffers; with ``snapshot_every=k`` only every
+        k-th commit copies (an unannounced loss then redoes up to k steps, for 1/k of the
+        copy cost). Every ``persist_every`` commits (or
         ``CheckpointConfig.persist_every``), rank 0 also writes the snapshot to storage,
         off the training path.
         """
         sess = self._sess
         index = sess.current_index() + 1
+        every = self._persist_every or sess.persist_every
+        persist = bool(every and index % every == 0)
+        if index % self._snapshot_every and not persist:
+            sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), None, persist=False)
+            return
         plain = {"attrs": copy.deepcopy(self._attrs),
                  "_objects": {k: copy.deepcopy(o.state_dict()) for k, o in self._objs.items()
                               if k in self._PLAIN_OBJECTS}}
@@ -274,9 +285,8 @@ class ElasticState:
         snap.nbytes = _nbytes(snap.tensors)
         snap.complete.set()
         STORE.add(sess.run_rel, snap)
-        every = self._persist_every or sess.persist_every
         writer = None
-        if every and index % every == 0 and sess.spec.rank == 0:
+        if persist and sess.spec.rank == 0:
             snap.pins += 1  # released once written: the buffers must not be recycled meanwhile
 
             def writer(directory: str, snap=snap) -> None:
@@ -286,7 +296,7 @@ class ElasticState:
                 finally:
                     snap.pins -= 1
         sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), writer,
-                             persist=bool(every and index % every == 0))
+                             persist=persist)
 
     def snapshot_bytes(self) -> int:
         """Host memory held by this process's snapshots."""

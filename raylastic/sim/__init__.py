@@ -25,3 +25,9 @@ __all__ = [
     "shipped_trace",
     "shipped_trace_path",
 ]
+
+# The local spot cloud (a real Ray autoscaler replaying traces): docs/simulator.md.
+from raylastic.sim.cloud import SpotCloud  # noqa: E402
+from raylastic.sim.config import DEFAULT_SIM_NODE_TYPES, SimNodeType  # noqa: E402
+
+__all__ += ["DEFAULT_SIM_NODE_TYPES", "SimNodeType", "SpotCloud"]

@@ -193,11 +193,11 @@ class CommitMonitor(threading.Thread):
         self.violations: list[str] = []
         self.errors: list[str] = []
         self.rounds = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         ckpts = f"{self.run_name}/checkpoints"
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 for name in self.storage.list_dir(ckpts):
                     rel = f"{ckpts}/{name}"
@@ -220,10 +220,10 @@ class CommitMonitor(threading.Thread):
                 self.rounds += 1
             except Exception as e:  # noqa: BLE001 - a listing racing a delete: note, go on
                 self.errors.append(f"{type(e).__name__}: {e}")
-            self._stop.wait(self.interval_s)
+            self._halt.wait(self.interval_s)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(30)
         self.events.close()
 

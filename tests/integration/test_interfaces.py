@@ -248,6 +248,7 @@ def test_ray_job_submit(ray_head, tmp_path):
     proc = subprocess.run(cmd, env=ray_head.env(), capture_output=True, text=True, timeout=240,
                           cwd=str(tmp_path))
     out = proc.stdout + proc.stderr
+    print(out[-3000:])
     assert proc.returncode == 0, f"ray job submit exited {proc.returncode}:\n{out[-6000:]}"
     assert "succeeded" in out, out[-4000:]
     # The job ran the venv's python on this head, trained every step and printed the report.
@@ -313,6 +314,7 @@ def test_notebook(ray_head, tmp_path, monkeypatch):
                             resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
     text = "\n".join(_cell_text(c) for c in nb.cells if c.cell_type == "code")
+    print(text[-3000:])
     print(f"notebook: {time.monotonic() - t0:.1f} s")
     # The kernel was the venv's python, connected to our head (not a new local Ray).
     assert f"python: {sys.executable}" in text, text[-4000:]

@@ -16,8 +16,7 @@ import ray
 from ray.autoscaler.sdk import request_resources
 
 from raylastic.policies.node_types import MARKET_LABEL, NODE_TYPE_LABEL, PriceTable
-from raylastic.sim import parse_trace
-from raylastic.sim.cloud import DEFAULT_SIM_NODE_TYPES, SimNodeType, SpotCloud
+from raylastic.sim import DEFAULT_SIM_NODE_TYPES, SimNodeType, SpotCloud, parse_trace
 from raylastic.sim.provider import HEAD_NODE_ID
 from raylastic.testing.cluster import wait_until
 
@@ -131,13 +130,22 @@ def test_preempt_event_drains_the_node_then_kills_it_at_the_deadline():
         (killed,) = _events(cloud, "preempted", "spot")
         assert notice["node_id"] == killed["node_id"] == node_id
         assert notice["notice_s"] == killed["notice_s"] == notice_s
-        assert notice["detail"]["drained"]
+        assert notice["detail"]["drained"] and killed["detail"]["signal"] == "SIGTERM"
         assert notice_s - 0.1 <= killed["ts"] - notice["ts"] <= notice_s + 1.0
 
         # Gone from the provider's list, so the autoscaler replaces it (capacity allows 1).
-        replacement = cloud.wait_for_nodes("spot", 1, timeout_s=30)
-        assert node_id not in replacement
+        (replacement,) = cloud.wait_for_nodes("spot", 1, timeout_s=30)
+        assert replacement != node_id
         cloud.wait_for_trace(timeout_s=10)
+
+        # notice_s 0: no drain, SIGKILL at once.
+        cloud.start_trace(_trace("0,preempt,spot,1,0"))
+        cloud.wait_for_trace(timeout_s=10)
+        assert not state.get_draining_nodes().get(replacement)
+        notice, killed = [e for e in cloud.history if e["node_id"] == replacement
+                          and e["event"] in ("notice", "preempted")]
+        assert not notice["detail"]["drained"] and killed["detail"]["signal"] == "SIGKILL"
+        assert killed["ts"] - notice["ts"] < 0.5
 
 
 def test_on_demand_launches_while_spot_is_capped_at_zero():
