@@ -92,6 +92,7 @@ def main(argv=None) -> int:
     else:
         ray.init()  # a local Ray on this machine
     print(f"Python: {sys.executable}", flush=True)
+    print(f"Ray GCS: {ray.get_runtime_context().gcs_address}", flush=True)
     print(f"Ray cluster resources: {ray.cluster_resources()}", flush=True)
 
     name = args.name or f"elastic_script-{int(time.time())}"

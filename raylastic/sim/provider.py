@@ -11,8 +11,9 @@ raylet on this machine) with what a spot market does to a cluster:
 - a per-node-type **launch delay** before the raylet starts (the node is "pending" in
   the provider's list meanwhile, so the autoscaler does not launch it twice);
 - **preemption**: :class:`raylastic.sim.cloud.SpotCloud` drains the node through Ray and
-  at the deadline asks the provider to kill it; the provider SIGKILLs the node's raylet
-  and drops the node from its own list, which lets the autoscaler replace it.
+  at the deadline asks the provider to kill it; the provider stops the node's raylet
+  (SIGTERM after a notice, SIGKILL without one) and drops the node from its own list,
+  which lets the autoscaler replace it.
 
 The provider lives in another process than :class:`SpotCloud`, so they talk through two
 files in the cloud's state directory: ``control.json`` (caps, noticed/kill node ids,
@@ -163,26 +164,27 @@ class SpotSimProvider(FakeMultiNodeProvider):
     def _start_after(self, node_id, node_type, delay, resources, labels) -> None:
         if self._stop.wait(delay):
             return
-        with self.lock:
-            if node_id not in self._nodes:  # terminated while pending
-                return
-        try:
-            # One at a time: Ray picks a node's socket file names by probing the shared
-            # session directory, so two raylets started at once can collide.
-            with self._start_lock:
-                node = self._start_raylet(node_id, node_type, resources, labels)
-        except Exception as e:  # noqa: BLE001  (reported, then the autoscaler retries)
-            logger.exception("spot sim: starting node %s failed", node_id)
+        # One raylet at a time: Ray names a node's socket files by probing the shared
+        # session directory, so two raylets started at once can collide. Holding the lock
+        # until the node is registered also lets _shutdown_all see every started node.
+        with self._start_lock:
             with self.lock:
-                self._nodes.pop(node_id, None)
-            self._record("launch_failed", node_type, node_id, detail=repr(e))
-            return
-        with self.lock:
-            entry = self._nodes.get(node_id)
-            if entry is not None:
-                entry["node"] = node
-                entry["tags"][TAG_RAY_NODE_STATUS] = STATUS_UP_TO_DATE
-        if entry is None:  # killed or terminated while its raylet was starting
+                if node_id not in self._nodes or self._stop.is_set():
+                    return  # terminated while pending, or shutting down
+            try:
+                node = self._start_raylet(node_id, node_type, resources, labels)
+            except Exception as e:  # noqa: BLE001  (reported; the autoscaler retries)
+                logger.exception("spot sim: starting node %s failed", node_id)
+                with self.lock:
+                    self._nodes.pop(node_id, None)
+                self._record("launch_failed", node_type, node_id, detail=repr(e))
+                return
+            with self.lock:
+                entry = self._nodes.get(node_id)
+                if entry is not None:
+                    entry["node"] = node
+                    entry["tags"][TAG_RAY_NODE_STATUS] = STATUS_UP_TO_DATE
+        if entry is None:  # terminated while its raylet was starting
             self._stop_node({"node": node}, graceful=False)
             return
         pids = [p.process.pid for procs in node.all_processes.values() for p in procs]
@@ -258,7 +260,7 @@ class SpotSimProvider(FakeMultiNodeProvider):
 
     def _shutdown_all(self) -> None:
         self._stop.set()
-        with self.lock:
+        with self._start_lock, self.lock:  # after any raylet start in progress
             entries = [(nid, e) for nid, e in self._nodes.items()
                        if e["tags"].get(TAG_RAY_NODE_KIND) == NODE_KIND_WORKER]
             for nid, _ in entries:

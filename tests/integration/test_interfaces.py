@@ -1,7 +1,7 @@
 """The three ways users run raylastic, against a real ``ray start --head``:
 
-1. ``examples/elastic_script.py``: a plain script calling ``ElasticTrainer(...).fit()``
-   (exercised here as the job's entrypoint, which is the same file);
+1. ``examples/elastic_script.py``: a plain script calling ``ElasticTrainer(...).fit()``,
+   run with ``RAY_ADDRESS`` pointing at the head;
 2. the same script submitted with the real ``ray job submit --working-dir
    examples/job_submit`` CLI to a running head;
 3. ``examples/notebook/elastic_training.ipynb`` executed with nbclient on a kernel that
@@ -185,8 +185,13 @@ class RayHead:
         found.pop(me, None)
         return [p for p in found.values() if _alive(p)]
 
-    def stop(self, grace_s: float = 10.0) -> List[psutil.Process]:
-        """Kill this head's processes; returns those still alive afterwards (should be [])."""
+    def stop(self, grace_s: float = 3.0) -> List[psutil.Process]:
+        """Kill this head's processes; returns those still alive afterwards (should be []).
+
+        SIGTERM, then SIGKILL after ``grace_s``: the dashboard and its helpers exit in ~0.1 s,
+        but gcs_server, raylet, the autoscaler monitor and the runtime-env agent were still
+        up 8 s after SIGTERM here, so a long grace only slows the test down.
+        """
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             procs = self.processes()
             if not procs:
@@ -235,6 +240,25 @@ def _world_sizes(text: str) -> List[int]:
     return [int(w) for w in m[-1].split("->")]
 
 
+def test_plain_script(ray_head, tmp_path):
+    """(1): python examples/elastic_script.py with RAY_ADDRESS set joins that cluster."""
+    storage = tmp_path / "results"
+    cmd = [sys.executable, str(EXAMPLES / "elastic_script.py"), "--steps", "20",
+           "--storage-path", str(storage), "--name", "script"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=ray_head.env(RAY_ADDRESS=ray_head.gcs_address),
+                          capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
+    out = proc.stdout + proc.stderr
+    print(out[-3000:])
+    assert proc.returncode == 0, f"elastic_script.py exited {proc.returncode}:\n{out[-6000:]}"
+    assert re.search(rf"Ray GCS: [\d.]+:{ray_head.gcs_port}\b", out), out[-4000:]
+    assert "ELASTIC_SCRIPT_OK steps=20" in out, out[-4000:]
+    sizes = _world_sizes(out)
+    assert sizes and all(1 <= w <= 2 for w in sizes), sizes
+    assert (storage / "script" / "events.jsonl").is_file()
+    print(f"plain script: {time.monotonic() - t0:.1f} s")
+
+
 def test_ray_job_submit(ray_head, tmp_path):
     """(1)+(2): examples/elastic_script.py submitted with the real ray job submit CLI."""
     workdir = EXAMPLES / "job_submit"
@@ -253,6 +277,7 @@ def test_ray_job_submit(ray_head, tmp_path):
     assert "succeeded" in out, out[-4000:]
     # The job ran the venv's python on this head, trained every step and printed the report.
     assert f"Python: {VENV_BIN}" in out, out[-4000:]
+    assert re.search(rf"Ray GCS: [\d.]+:{ray_head.gcs_port}\b", out), out[-4000:]
     assert "ELASTIC_SCRIPT_OK steps=30" in out, out[-4000:]
     sizes = _world_sizes(out)
     assert sizes and all(1 <= w <= 2 for w in sizes), sizes
