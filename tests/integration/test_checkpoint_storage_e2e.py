@@ -258,7 +258,7 @@ def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
     # upload runs; keep it frozen only if storage confirms the upload is still in flight (its
     # shard absent, no manifest) and the checkpoint before it is committed. Otherwise let it
     # go and try the next checkpoint.
-    victim, seen = None, set()
+    victim, seen, tries = None, set(), 0
     deadline = time.monotonic() + 150
     while victim is None:
         assert time.monotonic() < deadline, f"no in-flight upload caught; log: {read_log(log_dir)[-5:]}"
@@ -267,6 +267,7 @@ def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
             if rec["index"] in seen or rec["index"] < 2 * every:
                 continue
             seen.add(rec["index"])
+            tries += 1
             start = _log(log_dir, "start", rank=1, epoch=1)[0]
             os.kill(start["pid"], signal.SIGSTOP)
             listing = storage.list_dir(f"{ckpts}/{_dir(rec['index'], 1)}")
@@ -284,6 +285,8 @@ def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
     wait_until(lambda: victim["node_id"] not in cluster.alive_node_ids(), 30, what="node death")
     os.kill(victim["pid"], signal.SIGKILL)
     killed_at = time.time()
+    print(f"rank 1 frozen and its node killed during the upload of checkpoint {victim['index']} "
+          f"(attempt {tries}); that directory then held {victim['listing']}")
     partial = f"{ckpts}/{_dir(victim['index'], 1)}"
     assert not storage.exists(f"{partial}/{MANIFEST}")
     best = _fresh_manager(storage, run, scratch).latest_valid()
@@ -385,6 +388,8 @@ def test_storage_outage_is_retried_and_training_continues(clusters, servers, tmp
     # down, was uploaded (after retries) and committed.
     assert sorted(committed) == list(range(every, total + 1, every))
     retried = committed[outage_index]
+    print(f"outage {t_back - t_stop:.1f} s; checkpoint {outage_index} reported during it was "
+          f"committed after upload_s={retried['upload_s']:.1f} s")
     assert retried["upload_s"] >= 0.5 * (t_back - t_stop), (retried, t_back - t_stop)
     assert load_checkpoint(result.checkpoint)["problems"] == []
 
@@ -412,6 +417,7 @@ def test_storage_outage_longer_than_the_retry_budget_fails_clearly(clusters, ser
     finally:
         s3.start()
     text = str(info.value)
+    print(f"failed {took:.1f} s after the store stopped:\n{text}")
     assert "max_failures=0" in text
     assert "could not persist checkpoint" in text
     assert f"s3 bucket {s3.bucket!r} at {s3.endpoint}" in text

@@ -111,9 +111,22 @@ class RayHead:
         env.update(extra)
         return env
 
-    def start(self) -> "RayHead":
+    def start(self, attempts: int = 2) -> "RayHead":
+        """``ray start --head`` on free ports; one retry (a port taken in between, say)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start_once()
+                return self
+            except Exception:
+                left = self.stop()
+                if attempt == attempts or left:
+                    raise
+        return self
+
+    def _start_once(self) -> None:
         # Short path: Ray's unix socket paths live under the temp dir (108-byte limit).
         self.temp_dir = tempfile.mkdtemp(prefix="rlj-", dir="/tmp")
+        self._recorded = []
         (self.gcs_port, self.dashboard_port, client_port, agent_port,
          runtime_env_port, metrics_port) = _free_ports(6)
         cmd = [str(VENV_BIN / "ray"), "start", "--head",
@@ -128,17 +141,17 @@ class RayHead:
                "--object-store-memory=200000000",
                f"--temp-dir={self.temp_dir}", "--disable-usage-stats"]
         deadline = time.monotonic() + self.start_timeout_s
-        try:
-            proc = subprocess.run(cmd, env=self.env(**{MARKER_ENV: self.temp_dir}),
-                                  capture_output=True, text=True, timeout=self.start_timeout_s)
-            if proc.returncode != 0:
-                raise RuntimeError(f"ray start failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-            self._wait_for_job_server(deadline)
-        except BaseException:
-            self.stop()
-            raise
+        proc = subprocess.run(cmd, env=self.env(**{MARKER_ENV: self.temp_dir}),
+                              capture_output=True, text=True, timeout=self.start_timeout_s)
+        if proc.returncode != 0:
+            hint = ""
+            if "dashboard" in proc.stderr and "missing packages" in proc.stderr:
+                hint = ("\nJob submission needs the dashboard: install ray[default] "
+                        "(requirements-dev.txt: ray[default,train]==2.60.0).")
+            raise RuntimeError(f"ray start failed ({proc.returncode}):\n{proc.stdout}\n"
+                               f"{proc.stderr[-4000:]}{hint}")
+        self._wait_for_job_server(deadline)
         self._recorded = self.processes()
-        return self
 
     def _wait_for_job_server(self, deadline: float) -> None:
         last: object = None

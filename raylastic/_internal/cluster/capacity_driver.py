@@ -51,7 +51,8 @@ class CapacityDriver:
                               source=prices.get("source", "CapacityPolicy.prices"))
         self._pool.set_targets({}, protect=[])
 
-    def tick(self, members: List, draining: Dict[str, int], at_boundary: bool) -> Optional[MigrateToSpot]:
+    def tick(self, members: List, draining: Dict[str, int], at_boundary: bool,
+             protect: Optional[List] = None) -> Optional[MigrateToSpot]:
         """One policy step (at most every 0.5 s). Returns a migration for the controller
         to carry out; raises ``CapacityTimeoutError`` when ``max_wait_s`` ran out."""
         now = time.monotonic()
@@ -71,7 +72,7 @@ class CapacityDriver:
         step = self.policy.decide(snap, self._state)
         self._state, d, self.phase = step.state, step.decision, step.phase
         if isinstance(d, (RequestCapacity, ReleaseOnDemand)):
-            self._request(d.counts, members)
+            self._request(d.counts, members if protect is None else protect)
             self._events.emit(EventKind.DECISION, d.reason, decision=d.to_event()["kind"],
                               counts=dict(d.counts), phase=step.phase.value)
             return None

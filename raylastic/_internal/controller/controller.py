@@ -193,8 +193,12 @@ class Controller:
             bool(members and all(m.snapshots for m in members))
         self._last_committed_seen = latest.index if latest else None
         self._drained(members)  # refresh the draining view the policy excludes
+        # Between groups, keep the ready workers that hold in-memory snapshots: they are
+        # the state the next group restores from (trimming them would force a storage read).
+        protect = members if isinstance(st, Running) else [
+            h for h in self._pool.workers.values() if h.ready and h.snapshots]
         try:
-            migration = self._capacity.tick(members, self._draining, boundary)
+            migration = self._capacity.tick(members, self._draining, boundary, protect=protect)
         except CapacityTimeoutError as e:
             self._abort_all(f"capacity wait exhausted: {e}")
             self._stop_members(members, graceful=False)
@@ -372,7 +376,7 @@ class Controller:
         if drained:
             nodes = sorted({m.node_id for m in drained})
             self._events.emit(EventKind.PREEMPTION_NOTICE,
-                              f"preemption notice for node(s) {', '.join(n[:8] for n in nodes)}: "
+                              f"preemption notice for node(s) {', '.join(n[-8:] for n in nodes)}: "
                               f"moving {len(drained)} worker(s) off before the deadline",
                               nodes=nodes, deadlines_ms=[self._draining.get(n) for n in nodes],
                               epoch=st.epoch)
@@ -450,7 +454,7 @@ class Controller:
         for m in lost:
             kind = "node_lost" if m in node_lost else "crash"
             failures.append(RankFailure(m.prev_rank, st.epoch, kind, _cause_text(causes.get(m.wid))))
-            self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} on node {m.node_id[:8]} lost ({kind})",
+            self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} on node {m.node_id[-8:]} lost ({kind})",
                               epoch=st.epoch, rank=m.prev_rank, node_id=m.node_id, cause=kind, wid=m.wid,
                               last_index=st.last_index.get(m.wid, 0))
             self._pool.remove(m, kill=True)
@@ -558,7 +562,7 @@ class Controller:
                 for m in st.leaving:  # drained (its node goes away) or migrated to spot
                     cause = "preempted" if m.node_id in self._draining else "released"
                     self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} {cause}: "
-                                      f"off node {m.node_id[:8]} ({st.reason})", rank=m.prev_rank,
+                                      f"off node {m.node_id[-8:]} ({st.reason})", rank=m.prev_rank,
                                       node_id=m.node_id, cause=cause, wid=m.wid)
                     self._pool.remove(m, kill=True)
                 return None
