@@ -198,6 +198,14 @@ class CheckpointManager:
         self._retain()
         return ckpt
 
+    def commit_evacuation(self, index: int, rel: str, files: List[Any], upload_s: float) -> CommittedCheckpoint:
+        """Commit a snapshot that the last holders of the state wrote to storage before
+        leaving (every member was on draining nodes): a single writer, already uploaded."""
+        rec = ReportRecord(index=index, rank=0, epoch=self._epoch, ts=time.time(), metrics={},
+                           checkpoint_rel=rel, files=files, upload_s=upload_s)
+        self._pending.pop(index, None)
+        return self._commit(index, {0: rec})
+
     def _retain(self) -> None:
         if self._num_to_keep is None:
             return

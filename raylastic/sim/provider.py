@@ -141,9 +141,9 @@ class SpotSimProvider(FakeMultiNodeProvider):
         with self.lock:
             node = self._nodes.pop(node_id, None)
         if node is not None:
-            self._stop_node(node, graceful=True)
             self._record("terminated", node["tags"].get(TAG_RAY_USER_NODE_TYPE), node_id,
-                         detail="terminated by the autoscaler")
+                         detail={"by": "autoscaler"})
+            self._stop_node(node, graceful=True)
 
     # -- launching ---------------------------------------------------------------------
 
@@ -155,7 +155,7 @@ class SpotSimProvider(FakeMultiNodeProvider):
         all_tags[TAG_RAY_NODE_STATUS] = STATUS_UNINITIALIZED
         self._nodes[node_id] = {"tags": all_tags, "node": None}
         delay = self._delays.get(node_type, 0.0)
-        self._record("launch", node_type, node_id, detail=f"launch delay {delay:g} s")
+        self._record("launch", node_type, node_id, detail={"launch_delay_s": delay})
         threading.Thread(target=self._start_after, name=f"spot-sim-launch-{node_id[-5:]}",
                          args=(node_id, node_type, delay, copy.deepcopy(resources),
                                dict(labels or {})),

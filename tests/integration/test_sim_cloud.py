@@ -161,7 +161,7 @@ def test_on_demand_launches_while_spot_is_capped_at_zero():
         assert not _events(cloud, "launch", "spot")
 
 
-def test_shutdown_leaves_no_ray_process():
+def test_lowered_cap_preempts_excess_and_shutdown_leaves_no_ray_process():
     cloud = SpotCloud(_types())
     cloud.start()
     try:
@@ -170,6 +170,11 @@ def test_shutdown_leaves_no_ray_process():
         cloud.wait_for_nodes("spot", 1, timeout_s=30)
         cloud.wait_for_nodes("on_demand", 1, timeout_s=30)
         assert len(_processes_of(session)) >= 3  # head's gcs/raylet/monitor + 2 raylets
+        # Lowering a cap directly can also preempt the nodes above it.
+        (gone,) = cloud.set_capacity("spot", 0, preempt_excess_notice_s=1.0)
+        cloud.wait_for_trace(timeout_s=10)
+        assert cloud.node_counts() == {"spot": 0, "on_demand": 1}
+        assert [e["node_id"] for e in _events(cloud, "preempted")] == [gone]
     finally:
         cloud.shutdown()
     assert not ray.is_initialized()

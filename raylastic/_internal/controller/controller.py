@@ -489,7 +489,7 @@ class Controller:
         self._restarts += 1
         if not st.graceful:
             self._recoveries += 1
-        plan = self._plan_restore(st.members)
+        plan = self._plan_restore([m for m in st.members if m not in st.leaving])
         reached = max(self._last_index_seen(st), plan.index)
         lost_steps = reached - plan.index
         source = "in-memory snapshot" if plan.memory_index is not None else "checkpoint"
@@ -559,6 +559,7 @@ class Controller:
                 if errors:
                     return self._on_failure(running, [], {}, errors)
                 self._stop_members(st.members, graceful=True)
+                self._evacuate_state(st, target)
                 for m in st.leaving:  # drained (its node goes away) or migrated to spot
                     cause = "preempted" if m.node_id in self._draining else "released"
                     self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} {cause}: "
@@ -575,6 +576,23 @@ class Controller:
         deadlines = [self._draining.get(m.node_id) for m in leaving]
         deadlines = [d / 1000.0 for d in deadlines if d]
         return min(deadlines) - time.time() if deadlines else float("inf")
+
+    def _evacuate_state(self, st: Resizing, index: int) -> None:
+        """Every holder of the newest in-memory snapshot is leaving (all members were on
+        draining nodes): write it to storage from one of them before they go, so the
+        next group loses nothing."""
+        staying = [m for m in st.members if m not in st.leaving]
+        holders = [m for m in st.leaving if index in m.snapshots]
+        if not st.leaving or not holders or any(index in m.snapshots for m in staying):
+            return
+        try:
+            out = ray.get(holders[0].actor.persist_snapshot.remote(index, st.epoch), timeout=JOIN_TIMEOUT_S)
+            self._ckpt.commit_evacuation(index, out["rel"], out["files"], out["upload_s"])
+            self._events.emit(EventKind.DECISION, f"no remaining worker holds snapshot {index}: "
+                              f"persisted it to storage before the node goes", decision="evacuate",
+                              index=index, upload_s=round(out["upload_s"], 3))
+        except Exception as e:  # noqa: BLE001 - fall back to the last committed checkpoint
+            logger.warning("could not persist snapshot %s before evacuation: %s", index, e)
 
     def _choose_stop_index(self, current: int, snapshots: bool = False,
                            budget_s: float = float("inf")) -> int:

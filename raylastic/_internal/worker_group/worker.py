@@ -158,6 +158,28 @@ class TrainWorker:
                 self._status, self._error, self._traceback = status, error, tb
                 self._return_value = value
 
+    def persist_snapshot(self, index: int, epoch: int) -> Dict[str, Any]:
+        """Write the in-memory snapshot ``index`` to storage now (this worker's node is
+        going away and no other worker holds the state). Returns where and what."""
+        import tempfile
+
+        import torch
+
+        from raylastic.checkpoint.uploader import checksum_tree
+        from raylastic.session import checkpoint_rel
+        from raylastic.state import STATE_FILE
+
+        snap = STORE.get(self._run_rel, index)
+        if snap is None:
+            raise RuntimeError(f"no complete in-memory snapshot {index} here")
+        rel = checkpoint_rel(self._run_rel, index, epoch)
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as d:
+            torch.save({"plain": snap.plain, "tensors": snap.tensors}, os.path.join(d, STATE_FILE))
+            files = [list(f) for f in checksum_tree(d)]
+            self._storage.upload_dir(d, rel)
+        return {"rel": rel, "files": files, "upload_s": time.perf_counter() - start}
+
     def _finish_uploads(self, sess: Session) -> None:
         """Training ended: the last checkpoint must reach storage before we say so."""
         self._uploader.wait()

@@ -1,0 +1,82 @@
+"""Spot-first training on the local spot-cloud simulator (a real Ray autoscaler launching
+local raylets): a drought falls back to on-demand within fallback_after_s + launch delay,
+work returns to spot when capacity comes back, and the report shows the cost below the
+on-demand baseline."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from raylastic import CheckpointConfig, ElasticTrainer, RunConfig, ScalingConfig
+from raylastic.events import EventKind, load_events
+from raylastic.policies.capacity import CapacityPolicy
+from raylastic.sim import SpotCloud, shipped_trace
+from raylastic.testing.faults import FitThread, RunWatcher
+from raylastic.testing.train_funcs import mlp_bench
+
+pytestmark = pytest.mark.timeout(420)
+
+FALLBACK_S = 8.0
+SCALE = 0.6  # replay the drought trace 1/0.6 times faster: spot drops at 30 s, back at 54 s
+
+
+def test_drought_falls_back_to_on_demand_and_returns_to_spot(tmp_path):
+    run_dir = str(tmp_path / "results")
+    stop = tmp_path / "stop"
+    with SpotCloud(capacity={"spot": 4, "on_demand": 2}) as cloud:
+        policy = CapacityPolicy(prefer="spot", fallback_after_s=FALLBACK_S, max_on_demand_workers=2,
+                                max_wait_s=120, prices=cloud.prices())
+        trainer = ElasticTrainer(
+            mlp_bench, train_loop_config={"elastic_state": True, "hidden": 128, "layers": 2,
+                                          "stop_path": str(stop)},
+            scaling_config=ScalingConfig(min_workers=1, max_workers=3, capacity=policy,
+                                         validate_resources=False),
+            run_config=RunConfig(name="drought", storage_path=run_dir, verbose=False, progress=False,
+                                 checkpoint_config=CheckpointConfig(persist_every=200, num_to_keep=2)),
+        )
+        th = FitThread(trainer)
+        th.start()
+        w = RunWatcher(os.path.join(run_dir, "drought"))
+        w.wait_for_event(EventKind.FIRST_STEP, 120)
+        cloud.start_trace(shipped_trace("drought"), time_scale=SCALE)
+        migrate = w.wait_for_event(EventKind.DECISION, 200,
+                                   where=lambda e: e.get("decision") == "capacity.migrate_to_spot")
+        w.wait_for_event(EventKind.GROUP_FORMED, 60, where=lambda e: e["ts"] > migrate["ts"])
+        stop.touch()
+        result = th.wait(120)
+        history = cloud.history
+
+    events = load_events(result.path)
+    notice = next(e for e in events if e["kind"] == "preemption_notice")
+    fallback = next(e for e in events if e["kind"] == "decision" and e.get("decision") == "capacity.request"
+                    and e.get("counts", {}).get("on_demand", 0) > 0 and e["ts"] > notice["ts"])
+    # on-demand was asked for once spot had been short for fallback_after_s (+ one 0.5 s tick)
+    assert fallback["ts"] - notice["ts"] <= FALLBACK_S + 10 * SCALE + 2.0, (fallback, notice)
+    od_ready = [e for e in events if e["kind"] == "worker_ready" and e["market"] == "on_demand"]
+    assert od_ready, "no on-demand worker came up"
+    od_nodes = {e["node_id"] for e in od_ready}
+    trained_on_od = [e for e in events if e["kind"] == "group_formed" and set(e["nodes"]) & od_nodes
+                     and e["ts"] > fallback["ts"]]
+    assert trained_on_od and trained_on_od[0]["ts"] - fallback["ts"] < 30  # launch + start
+    # back to spot: the last group runs on spot nodes only, on-demand released
+    last = [e for e in events if e["kind"] == "group_formed"][-1]
+    spot_nodes = {e["node_id"] for e in events if e["kind"] == "worker_ready" and e["market"] == "spot"}
+    assert set(last["nodes"]) <= spot_nodes, last
+    assert any(e["kind"] == "decision" and e.get("decision") == "capacity.release_on_demand" for e in events)
+    assert any(h["event"] == "node_up" and h["node_type"] == "on_demand" for h in history)
+    # nothing was trained twice across all these moves: in-memory snapshots, and the
+    # evacuated state persisted before the preempted nodes went away
+    assert all(e["lost_steps"] == 0 for e in events if e["kind"] == "resize"), \
+        [e for e in events if e["kind"] == "resize"]
+    assert any(e["kind"] == "decision" and e.get("decision") == "evacuate" for e in events)
+
+    rep = subprocess.run([sys.executable, "-m", "raylastic", "report", result.path, "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    report = json.loads(rep.stdout)
+    assert report["node_hours"]["on_demand"]["hours"] > 0
+    assert report["cost_usd"] < report["on_demand_cost_usd"]
+    assert 0 < report["goodput"] <= 1
