@@ -100,6 +100,8 @@ def measure_raw(storage, src: str, rel: str, reps: int) -> List[float]:
     out = []
     for i in range(reps):
         dst = storage.path(f"{rel}/{i}")
+        if storage.is_local:  # copy_files does not create local parent directories
+            os.makedirs(dst, exist_ok=True)
         t0 = time.perf_counter()
         pafs.copy_files(src, dst, source_filesystem=pafs.LocalFileSystem(),
                         destination_filesystem=storage.fs, use_threads=True)

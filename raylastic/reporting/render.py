@@ -74,7 +74,7 @@ def render_text(r: RunReport, *, max_rows: int = 40) -> str:
         if seg_rows else ["  (no group was ever formed)"]
     out += ["", f"Recoveries (failures / preemptions): {len(r.recoveries)}"]
     if r.recoveries:
-        rows = [(fmt_s(x.at_s), x.cause, ",".join(n[:8] for n in x.nodes) or "-", fmt_s(x.detection_s),
+        rows = [(fmt_s(x.at_s), x.cause, ",".join(n[-8:] for n in x.nodes) or "-", fmt_s(x.detection_s),
                  fmt_s(x.recovery_s) if x.recovery_s is not None else "not recovered", x.steps_lost,
                  f"{_ws(x.world_size_before)} -> {_ws(x.world_size_after)}", _short(x.reason, 50))
                 for x in r.recoveries]

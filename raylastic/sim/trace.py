@@ -45,7 +45,7 @@ from typing import Dict, Iterable, Optional, Tuple, Union
 from raylastic.policies.node_types import validate_node_type_name
 
 HEADER = ("time_s", "event", "node_type", "count", "notice_s")
-SHIPPED_TRACES = ("calm", "busy", "drought")
+SHIPPED_TRACES = ("calm", "busy", "drought", "demo")
 
 
 class TraceFormatError(ValueError):

@@ -88,12 +88,16 @@ def test_load_trace_from_file(tmp_path):
 
 
 def test_shipped_traces_parse_and_have_the_described_shape():
-    assert SHIPPED_TRACES == ("calm", "busy", "drought")
+    assert SHIPPED_TRACES == ("calm", "busy", "drought", "demo")
     for name in SHIPPED_TRACES:
         trace = shipped_trace(name)
         assert load_trace(shipped_trace_path(name)).events == trace.events
         trace.check_node_types(["spot", "on_demand"])
-        assert trace.capacity_at("spot", 0) == 4 and trace.duration_s <= 150
+        assert trace.capacity_at("spot", 0) == (3 if name == "demo" else 4) and trace.duration_s <= 150
+
+    demo = shipped_trace("demo")  # make demo: two preemptions, a drought, spot returns
+    assert len([e for e in demo.events if e.kind is TraceEventKind.PREEMPT]) == 2
+    assert demo.capacity_at("spot", 60) == 0 and demo.capacity_at("spot", 90) == 3
 
     calm = shipped_trace("calm")
     assert not [e for e in calm.events if e.kind is TraceEventKind.PREEMPT]
