@@ -22,7 +22,8 @@ def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
     ``checkpoint_every`` steps. Resumes from the last committed checkpoint.
 
     config: total_steps, checkpoint_every (1), step_sleep_s (0), fail_at_step (None),
-    fail_rank (0), dim (8), batch (16), lr (0.05), seed (0).
+    fail_rank (0), dim (8), batch (16), lr (0.05), seed (0), cuda (False: train on this
+    worker's GPU, for the NCCL path).
     """
     total = int(config.get("total_steps", 20))
     every = int(config.get("checkpoint_every", 1))
@@ -32,21 +33,22 @@ def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
     ctx = raylastic.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(int(config.get("seed", 0)))
-    model = nn.Linear(dim, 1)
+    device = torch.device("cuda", torch.cuda.current_device()) if config.get("cuda") else torch.device("cpu")
+    model = nn.Linear(dim, 1).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=float(config.get("lr", 0.05)))
     start = 0
     ckpt = raylastic.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
-            state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=True, map_location=device)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = int(state["step"])
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    true_w = torch.arange(dim, dtype=torch.float32).unsqueeze(1) / dim
+    true_w = (torch.arange(dim, dtype=torch.float32).unsqueeze(1) / dim).to(device)
     for step in range(start + 1, total + 1):
         g = torch.Generator().manual_seed(step * 1000 + rank)
-        x = torch.randn(int(config.get("batch", 16)), dim, generator=g)
+        x = torch.randn(int(config.get("batch", 16)), dim, generator=g).to(device)
         y = x @ true_w
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad()
