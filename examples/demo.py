@@ -29,18 +29,9 @@ from torch import nn
 import raylastic
 from raylastic import CheckpointConfig, ElasticTrainer, RunConfig, ScalingConfig
 from raylastic.data import ElasticDataLoader
+from raylastic.testing.datasets import digits  # scikit-learn's handwritten digits, shipped
 
 GLOBAL_BATCH, MICRO_BATCH = 96, 16
-
-
-def digits():
-    """8x8 handwritten digits shipped inside scikit-learn (no download)."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.long)
-    return torch.utils.data.TensorDataset(x[:1500], y[:1500]), (x[1500:], y[1500:])
 
 
 def train_func(config):

@@ -141,86 +141,74 @@ class Session:
 
     # -- called from the train thread -------------------------------------------------
     def report(self, metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
-        if self._abort.is_set():
-            raise StopTraining("membership change")
-        self.raise_upload_error()
-        with self._lock:
-            self._index += 1
-            index = self._index
-        record = ReportRecord(
-            index=index, rank=self.spec.rank, epoch=self.spec.epoch, ts=time.time(),
-            metrics=dict(metrics or {}),
-        )
+        record = self._next_record(metrics)
         if checkpoint is None:
             self._append(record)
         else:
             self._persist(checkpoint, record)
-        with self._lock:
-            stop = self._stop_at is not None and index >= self._stop_at
-        if stop or self._abort.is_set():
-            raise StopTraining(f"stop after report {index}")
+        self._maybe_stop(record.index)
 
     def report_snapshot(self, metrics: Dict[str, Any], writer, persist: bool) -> None:
         """``report()`` for ``ElasticState.commit``: when ``persist``, rank 0's
         ``writer(dir)`` serialises the snapshot in the background and the upload follows;
         nothing but the snapshot copy touches the training thread."""
+        record = self._next_record(metrics)
+        if persist and writer is not None:
+            record.checkpoint_rel = checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
+            record.wait_s = self.uploader.submit_lazy(
+                writer, f"e{self.spec.epoch}-{record.index}-r{self.spec.rank}", record.checkpoint_rel,
+                self._on_uploaded(record))
+        else:
+            self._append(record)
+        self._maybe_stop(record.index)
+
+    def _next_record(self, metrics: Dict[str, Any]) -> ReportRecord:
         if self._abort.is_set():
             raise StopTraining("membership change")
         self.raise_upload_error()
         with self._lock:
             self._index += 1
             index = self._index
-        record = ReportRecord(index=index, rank=self.spec.rank, epoch=self.spec.epoch,
-                              ts=time.time(), metrics=dict(metrics or {}))
-        if persist and writer is not None:
-            rel = checkpoint_rel(self.run_rel, index, self.spec.epoch)
-            record.checkpoint_rel = rel
+        return ReportRecord(index=index, rank=self.spec.rank, epoch=self.spec.epoch, ts=time.time(),
+                            metrics=dict(metrics or {}))
 
-            def done(res) -> None:
-                record.upload_s, record.files = res.upload_s, [list(f) for f in res.files]
-                if res.error is not None:
-                    self._upload_error = CheckpointError(
-                        f"rank {self.spec.rank}: could not persist snapshot {index} to "
-                        f"{self.storage.uri}/{rel}: {res.error}")
-                else:
-                    self._append(record)
-
-            record.wait_s = self.uploader.submit_lazy(
-                writer, f"e{self.spec.epoch}-{index}-r{self.spec.rank}", rel, done)
-        else:
-            self._append(record)
+    def _maybe_stop(self, index: int) -> None:
+        """Unwind after this report if the controller asked for it (resize, abort)."""
         with self._lock:
             stop = self._stop_at is not None and index >= self._stop_at
         if stop or self._abort.is_set():
             raise StopTraining(f"stop after report {index}")
+
+    def _on_uploaded(self, record: ReportRecord):
+        """Upload callback: the record reaches the controller only once its files are in
+        storage, so the controller can never commit a checkpoint still in flight."""
+        def done(res) -> None:
+            record.upload_s = res.upload_s
+            if res.files:
+                record.files = [list(f) for f in res.files]
+            if res.error is not None:
+                self._upload_error = CheckpointError(
+                    f"rank {self.spec.rank}: could not persist checkpoint {record.index} to "
+                    f"{self.storage.uri}/{record.checkpoint_rel}: {res.error}")
+            else:
+                self._append(record)
+
+        return done
 
     def _append(self, record: ReportRecord) -> None:
         with self._lock:
             self._records.append(record)
 
     def _persist(self, checkpoint: Checkpoint, record: ReportRecord) -> None:
-        """Stage the files locally, then upload in the background (or wait, if sync).
-
-        The record reaches the controller only after its upload finished, so the
-        controller can never commit a checkpoint whose files are still in flight.
-        """
-        rel = checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
+        """Stage the files locally (the only stall), then upload in the background, or
+        wait for the upload when ``CheckpointConfig(async_upload=False)``."""
         start = time.perf_counter()
         with checkpoint.as_directory() as local_dir:
             staged, files = self.uploader.stage(local_dir, f"e{self.spec.epoch}-{record.index}-r{self.spec.rank}")
         record.stage_s = time.perf_counter() - start
-        record.checkpoint_rel, record.files = rel, [list(f) for f in files]
-
-        def done(res) -> None:
-            record.upload_s = res.upload_s
-            if res.error is not None:
-                self._upload_error = CheckpointError(
-                    f"rank {self.spec.rank}: could not persist checkpoint {record.index} to "
-                    f"{self.storage.uri}/{rel}: {res.error}")
-            else:
-                self._append(record)
-
-        record.wait_s = self.uploader.submit(staged, files, rel, done)
+        record.checkpoint_rel = checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
+        record.files = [list(f) for f in files]
+        record.wait_s = self.uploader.submit(staged, files, record.checkpoint_rel, self._on_uploaded(record))
         if not self.async_upload:
             self.uploader.wait()
             self.raise_upload_error()

@@ -90,43 +90,30 @@ class AsyncUploader:
 
     def submit(self, staged: str, files: List[FileEntry], rel: str,
                on_done: Callable[[UploadResult], None]) -> float:
-        """Start uploading ``staged`` to ``rel``; returns seconds spent waiting for the
-        previous upload (back-pressure)."""
-        waited = self.wait()
-
-        def run() -> None:
-            res = UploadResult(rel=rel, files=files)
-            start = time.perf_counter()
-            try:
-                self._storage.upload_dir(staged, rel)
-            except BaseException as e:  # noqa: BLE001 - handed to the session
-                res.error = e
-                self.last_error = e
-            finally:
-                res.upload_s = time.perf_counter() - start
-                shutil.rmtree(staged, ignore_errors=True)
-            on_done(res)
-
-        with self._lock:
-            self._thread = threading.Thread(target=run, name="raylastic-upload", daemon=True)
-            self._thread.start()
-        return waited
+        """Start uploading ``staged`` (from :meth:`stage`) to ``rel``; returns seconds
+        spent waiting for the previous upload (back-pressure)."""
+        return self._start(staged, rel, on_done, files=files)
 
     def submit_lazy(self, produce: Callable[[str], None], key: str, rel: str,
                     on_done: Callable[[UploadResult], None]) -> float:
         """Like :meth:`submit`, but the files are written by ``produce(dir)`` in the
         background thread (serialising a snapshot off the training path)."""
+        return self._start(os.path.join(self._root, key), rel, on_done, produce=produce)
+
+    def _start(self, staged: str, rel: str, on_done: Callable[[UploadResult], None], *,
+               files: Optional[List[FileEntry]] = None,
+               produce: Optional[Callable[[str], None]] = None) -> float:
         waited = self.wait()
-        staged = os.path.join(self._root, key)
 
         def run() -> None:
-            res = UploadResult(rel=rel)
+            res = UploadResult(rel=rel, files=list(files or []))
             start = time.perf_counter()
             try:
-                shutil.rmtree(staged, ignore_errors=True)
-                os.makedirs(staged)
-                produce(staged)
-                res.files = checksum_tree(staged)
+                if produce is not None:
+                    shutil.rmtree(staged, ignore_errors=True)
+                    os.makedirs(staged)
+                    produce(staged)
+                    res.files = checksum_tree(staged)
                 self._storage.upload_dir(staged, rel)
             except BaseException as e:  # noqa: BLE001 - handed to the session
                 res.error = e
