@@ -204,11 +204,10 @@ class Session:
         wait for the upload when ``CheckpointConfig(async_upload=False)``."""
         start = time.perf_counter()
         with checkpoint.as_directory() as local_dir:
-            staged, files = self.uploader.stage(local_dir, f"e{self.spec.epoch}-{record.index}-r{self.spec.rank}")
+            staged = self.uploader.stage(local_dir, f"e{self.spec.epoch}-{record.index}-r{self.spec.rank}")
         record.stage_s = time.perf_counter() - start
         record.checkpoint_rel = checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
-        record.files = [list(f) for f in files]
-        record.wait_s = self.uploader.submit(staged, files, record.checkpoint_rel, self._on_uploaded(record))
+        record.wait_s = self.uploader.submit(staged, record.checkpoint_rel, self._on_uploaded(record))
         if not self.async_upload:
             self.uploader.wait()
             self.raise_upload_error()

@@ -1,9 +1,9 @@
 """Checkpoint persistence off the training path (worker side).
 
-``report(checkpoint=...)`` only *stages* the files: a local copy (the caller's directory
-is usually a temporary one deleted right after ``report`` returns) that also computes a
-CRC32 per file for the manifest. The upload to storage then runs in this worker's
-background thread while training continues.
+``report(checkpoint=...)`` only *stages* the files: a kernel-side local copy (the
+caller's directory is usually a temporary one deleted right after ``report`` returns).
+The CRC32 of each file for the manifest and the upload to storage then run in this
+worker's background thread while training continues.
 
 Back-pressure: at most one upload is pending per worker. A ``report`` with a new
 checkpoint while the previous upload is still running waits for it, so memory and local
@@ -26,26 +26,16 @@ FileEntry = Tuple[str, int, str]  # (relative posix path, size, "crc32:<hex>")
 _CHUNK = 8 * 1024 * 1024
 
 
-def stage_dir(src: str, dst: str) -> List[FileEntry]:
-    """Copy a directory tree to ``dst``, computing each file's CRC32 on the way."""
-    entries: List[FileEntry] = []
+def stage_dir(src: str, dst: str) -> None:
+    """Copy a directory tree to ``dst`` with the kernel's copy (``copyfile`` uses
+    sendfile/copy_file_range): the only work ``report()`` does on the training thread.
+    Checksums are computed afterwards, in the upload thread."""
     for root, _dirs, files in os.walk(src):
-        for name in sorted(files):
+        for name in files:
             s = os.path.join(root, name)
-            rel = os.path.relpath(s, src).replace(os.sep, "/")
-            d = os.path.join(dst, *rel.split("/"))
+            d = os.path.join(dst, os.path.relpath(s, src))
             os.makedirs(os.path.dirname(d), exist_ok=True)
-            crc, size = 0, 0
-            with open(s, "rb") as fin, open(d, "wb") as fout:
-                while True:
-                    chunk = fin.read(_CHUNK)
-                    if not chunk:
-                        break
-                    crc = zlib.crc32(chunk, crc)
-                    size += len(chunk)
-                    fout.write(chunk)
-            entries.append((rel, size, f"crc32:{crc:08x}"))
-    return entries
+            shutil.copyfile(s, d)
 
 
 def checksum_tree(root: str) -> List[FileEntry]:
@@ -83,16 +73,16 @@ class AsyncUploader:
         self._lock = threading.Lock()
         self.last_error: Optional[BaseException] = None
 
-    def stage(self, local_dir: str, key: str) -> Tuple[str, List[FileEntry]]:
+    def stage(self, local_dir: str, key: str) -> str:
         dst = os.path.join(self._root, key)
         shutil.rmtree(dst, ignore_errors=True)
-        return dst, stage_dir(local_dir, dst)
+        stage_dir(local_dir, dst)
+        return dst
 
-    def submit(self, staged: str, files: List[FileEntry], rel: str,
-               on_done: Callable[[UploadResult], None]) -> float:
-        """Start uploading ``staged`` (from :meth:`stage`) to ``rel``; returns seconds
-        spent waiting for the previous upload (back-pressure)."""
-        return self._start(staged, rel, on_done, files=files)
+    def submit(self, staged: str, rel: str, on_done: Callable[[UploadResult], None]) -> float:
+        """Checksum and upload ``staged`` (from :meth:`stage`) to ``rel`` in the
+        background; returns seconds spent waiting for the previous upload (back-pressure)."""
+        return self._start(staged, rel, on_done)
 
     def submit_lazy(self, produce: Callable[[str], None], key: str, rel: str,
                     on_done: Callable[[UploadResult], None]) -> float:
@@ -101,19 +91,18 @@ class AsyncUploader:
         return self._start(os.path.join(self._root, key), rel, on_done, produce=produce)
 
     def _start(self, staged: str, rel: str, on_done: Callable[[UploadResult], None], *,
-               files: Optional[List[FileEntry]] = None,
                produce: Optional[Callable[[str], None]] = None) -> float:
         waited = self.wait()
 
         def run() -> None:
-            res = UploadResult(rel=rel, files=list(files or []))
+            res = UploadResult(rel=rel)
             start = time.perf_counter()
             try:
                 if produce is not None:
                     shutil.rmtree(staged, ignore_errors=True)
                     os.makedirs(staged)
                     produce(staged)
-                    res.files = checksum_tree(staged)
+                res.files = checksum_tree(staged)
                 self._storage.upload_dir(staged, rel)
             except BaseException as e:  # noqa: BLE001 - handed to the session
                 res.error = e

@@ -188,15 +188,20 @@ class SpotCloud:
             source="raylastic.sim.SpotCloud")
 
     def alive_nodes(self, node_type: Optional[str] = None) -> Dict[str, str]:
-        """Alive worker nodes (draining ones included) as ``{node_id_hex: node_type}``."""
+        """Alive worker nodes (draining ones included) as ``{node_id_hex: node_type}``:
+        alive in the GCS and fully started (``node_up`` recorded)."""
         from ray.core.generated import gcs_pb2
 
         self._started()
         with self._gcs_lock:
             infos = self._gcs.get_all_node_info(timeout=10)
+        # The GCS lists a node a moment before Ray's Node() returns in the provider. A
+        # node that dies in between (a drain makes an idle raylet exit at once) leaves
+        # Node() blocked for 30 s, so a node is not offered for preemption before that.
+        up = {e["node_id"] for e in _prov.read_events(self._dir) if e["event"] == "node_up"}
         out = {}
         for node_id, info in infos.items():
-            if info.state != gcs_pb2.GcsNodeInfo.ALIVE:
+            if info.state != gcs_pb2.GcsNodeInfo.ALIVE or node_id.hex() not in up:
                 continue
             names = [k[len(RESOURCE_PREFIX):] for k in info.resources_total
                      if k.startswith(RESOURCE_PREFIX)]
@@ -244,12 +249,16 @@ class SpotCloud:
             f"capacity {self.capacity(node_type)} (cloud.history has the launches)"))
 
     def wait_for_trace(self, timeout_s: float) -> None:
-        """Wait until every scheduled trace event and kill has run and every preempted
-        node is dead."""
+        """Wait until every scheduled trace event and kill has run: each preempted node
+        has its ``preempted`` record and is dead."""
         def done() -> bool:
+            if not self._scheduler.idle():
+                return False
             with self._lock:
                 killed = {n for n, _ in self._kill}
-            return self._scheduler.idle() and not killed & set(self.alive_nodes())
+            recorded = {e["node_id"] for e in _prov.read_events(self._dir)
+                        if e["event"] == "preempted"}
+            return killed <= recorded and not killed & set(self.alive_nodes())
 
         wait_for(done, timeout_s, "the trace and its preemptions to finish")
 

@@ -252,7 +252,8 @@ class SpotSimProvider(FakeMultiNodeProvider):
         self._killed.add(node_id)
         with self.lock:
             entry = self._nodes.pop(node_id, None)
-        if entry is None:
+        if entry is None:  # already terminated by the autoscaler: record the order anyway
+            self._record("preempted", None, node_id, detail={"signal": None})
             return
         self._record("preempted", entry["tags"].get(TAG_RAY_USER_NODE_TYPE), node_id,
                      detail={"signal": "SIGTERM" if graceful else "SIGKILL"})
@@ -260,11 +261,18 @@ class SpotSimProvider(FakeMultiNodeProvider):
 
     def _shutdown_all(self) -> None:
         self._stop.set()
-        with self._start_lock, self.lock:  # after any raylet start in progress
-            entries = [(nid, e) for nid, e in self._nodes.items()
-                       if e["tags"].get(TAG_RAY_NODE_KIND) == NODE_KIND_WORKER]
-            for nid, _ in entries:
-                self._nodes.pop(nid)
+        # Let a raylet start in progress finish and register (Ray's Node() can block for
+        # up to 30 s if its node dies while starting; do not wait that long).
+        started = self._start_lock.acquire(timeout=5)
+        try:
+            with self.lock:
+                entries = [(nid, e) for nid, e in self._nodes.items()
+                           if e["tags"].get(TAG_RAY_NODE_KIND) == NODE_KIND_WORKER]
+                for nid, _ in entries:
+                    self._nodes.pop(nid)
+        finally:
+            if started:
+                self._start_lock.release()
         for _, entry in entries:
             self._stop_node(entry, graceful=False)
         self._record("provider_shutdown", None, None,

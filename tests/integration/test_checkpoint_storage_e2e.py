@@ -86,6 +86,8 @@ class _Clusters:
 
     def get(self) -> LocalCluster:
         if self.current is None:
+            if ray.is_initialized():  # a driver left connected elsewhere
+                ray.shutdown()
             self.current = LocalCluster(num_nodes=3).start()
         while len(self.current.worker_nodes) < 3:
             self.current.add_node()

@@ -75,10 +75,8 @@ def test_capacity_cap_holds_and_raising_it_launches_after_the_delay():
         assert ray.get_runtime_context().get_node_id() == HEAD_NODE_ID  # driver on the head
         request_resources(bundles=[SPOT] * 3)
         first = cloud.wait_for_nodes("spot", 1, timeout_s=30)
-        # (the provider records node_up when Ray's Node() returns, just after the GCS
-        # lists the node)
-        up_ts = wait_until(lambda: _events(cloud, "node_up", "spot"), 10,
-                           what="the node_up record")[0]["ts"]
+        (up,) = _events(cloud, "node_up", "spot")  # wait_for_nodes counts started nodes
+        up_ts = up["ts"]
         # The autoscaler keeps asking for the two missing nodes and is refused each time.
         wait_until(lambda: _refused(cloud, "spot", after_ts=up_ts) >= 4, 20,
                    what="refused spot launches")
@@ -90,10 +88,8 @@ def test_capacity_cap_holds_and_raising_it_launches_after_the_delay():
         assert first.keys() < nodes.keys()
         cap_ts = _events(cloud, "capacity", "spot")[-1]["ts"]
         launches = [e for e in _events(cloud, "launch", "spot") if e["ts"] > cap_ts]
-        ups = wait_until(lambda: (lambda u: u if len(u) == 2 else None)(
-            [e for e in _events(cloud, "node_up", "spot") if e["ts"] > cap_ts]), 10,
-            what="two node_up records")
-        assert len(launches) == 2
+        ups = [e for e in _events(cloud, "node_up", "spot") if e["ts"] > cap_ts]
+        assert len(launches) == 2 and len(ups) == 2
         for e in launches:  # the autoscaler's next 1 s update asks again
             assert e["ts"] - cap_ts < 3.5
         for e in ups:  # ... and the raylet starts launch_delay_s after the launch

@@ -110,9 +110,7 @@ def test_async_staging_checksums_and_back_pressure(tmp_path):
     (src / "a.bin").write_bytes(b"hello")
     (src / "sub" / "b.bin").write_bytes(b"x" * 1000)
     up = AsyncUploader(storage, staging_root=str(tmp_path / "staging"))
-    staged, files = up.stage(str(src), "k1")
-    assert sorted(files) == sorted([("a.bin", 5, f"crc32:{zlib.crc32(b'hello'):08x}"),
-                                    ("sub/b.bin", 1000, f"crc32:{zlib.crc32(b'x' * 1000):08x}")])
+    staged = up.stage(str(src), "k1")
     gate, results = threading.Event(), []
     real_upload = storage.upload_dir
 
@@ -121,10 +119,10 @@ def test_async_staging_checksums_and_back_pressure(tmp_path):
         return real_upload(local, rel)
 
     storage.upload_dir = slow_upload  # hold the first upload open
-    up.submit(staged, files, "run/ck1", results.append)
+    up.submit(staged, "run/ck1", results.append)
     assert up.pending
-    staged2, files2 = up.stage(str(src), "k2")
-    t = threading.Thread(target=lambda: up.submit(staged2, files2, "run/ck2", results.append))
+    staged2 = up.stage(str(src), "k2")
+    t = threading.Thread(target=lambda: up.submit(staged2, "run/ck2", results.append))
     t.start()
     t.join(0.3)
     assert t.is_alive()  # the second submit waits: at most one upload pending
@@ -132,6 +130,8 @@ def test_async_staging_checksums_and_back_pressure(tmp_path):
     t.join(10)
     up.wait(10)
     assert [r.rel for r in results] == ["run/ck1", "run/ck2"] and all(r.error is None for r in results)
+    assert sorted(results[0].files) == sorted([("a.bin", 5, f"crc32:{zlib.crc32(b'hello'):08x}"),
+                                               ("sub/b.bin", 1000, f"crc32:{zlib.crc32(b'x' * 1000):08x}")])
     assert (tmp_path / "store" / "run" / "ck2" / "sub" / "b.bin").read_bytes() == b"x" * 1000
     assert not os.path.exists(staged) and not os.path.exists(staged2)  # staging freed
 
