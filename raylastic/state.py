@@ -285,18 +285,23 @@ class ElasticState:
         snap.nbytes = _nbytes(snap.tensors)
         snap.complete.set()
         STORE.add(sess.run_rel, snap)
-        writer = None
-        if persist and sess.spec.rank == 0:
-            snap.pins += 1  # released once written: the buffers must not be recycled meanwhile
-
-            def writer(directory: str, snap=snap) -> None:
-                try:
-                    snap.complete.wait()
-                    torch.save({"plain": snap.plain, "tensors": snap.tensors}, os.path.join(directory, STATE_FILE))
-                finally:
-                    snap.pins -= 1
+        writer = self._writer(snap) if persist and sess.spec.rank == 0 else None
         sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), writer,
                              persist=persist)
+
+    @staticmethod
+    def _writer(snap: Snapshot):
+        """Serialises ``snap`` for a persisted checkpoint, in the upload thread."""
+        snap.pins += 1  # released once written: the buffers must not be recycled meanwhile
+
+        def write(directory: str) -> None:
+            try:
+                snap.complete.wait()
+                torch.save({"plain": snap.plain, "tensors": snap.tensors}, os.path.join(directory, STATE_FILE))
+            finally:
+                snap.pins -= 1
+
+        return write
 
     def snapshot_bytes(self) -> int:
         """Host memory held by this process's snapshots."""

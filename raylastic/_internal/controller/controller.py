@@ -26,7 +26,7 @@ from raylastic.errors import (
     InsufficientCapacityError, RankFailure, TrainingAborted, TrainingFailedError,
 )
 from raylastic.events import EventKind, EventLog
-from raylastic.policies.base import Noop, Raise, Resize, Retry, Wait
+from raylastic.policies.base import Noop, Raise, Resize, Wait
 from raylastic.policies.failure import FailureCounts, FailureKind, FailurePolicy
 from raylastic.policies.scaling import ElasticScalingPolicy, ScalingSnapshot
 from raylastic.session import GroupSpec, RestoreInfo
@@ -450,7 +450,6 @@ class Controller:
         the attempt collateral (peers of a vanished rank fail their collective); only
         without one does the attempt count as a real failure."""
         node_lost = [m for m in lost if not _is_crash(m, causes.get(m.wid))]
-        crashed = [m for m in lost if m not in node_lost]
         for m in lost:
             kind = "node_lost" if m in node_lost else "crash"
             failures.append(RankFailure(m.prev_rank, st.epoch, kind, _cause_text(causes.get(m.wid))))

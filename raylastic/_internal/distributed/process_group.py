@@ -51,7 +51,6 @@ def init_group(*, epoch: int, rank: int, world_size: int, master_addr: str, mast
 
 def destroy_group() -> None:
     """Leave the current group, if any. Safe to call when none exists."""
-    global _store
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
