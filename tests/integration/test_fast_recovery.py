@@ -63,15 +63,15 @@ def test_preemption_notice_shrinks_with_zero_lost_steps(local_cluster, restore_n
         victim, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
         "spot reclaim (test)", deadline_ms)
     notice = w.wait_for_event(EventKind.PREEMPTION_NOTICE, 30)
-    formed = w.wait_for_event(EventKind.GROUP_FORMED, 60, count=2)
+    formed = w.wait_for_event(EventKind.GROUP_FORMED, 60, where=lambda e: e["ts"] > notice["ts"])
     assert victim not in formed["nodes"] and formed["world_size"] == 2
     assert time.time() * 1000 < deadline_ms  # moved off before the deadline
     local_cluster.remove_node(local_cluster.node_by_id(victim))  # the cloud takes it
-    w.wait_for_event(EventKind.FIRST_STEP, 60, count=2)
+    w.wait_for_event(EventKind.FIRST_STEP, 60, where=lambda e: e["ts"] > formed["ts"])
     stop.touch()
     result = th.wait(120)
     events = load_events(result.path)
-    resize = next(e for e in events if e["kind"] == "resize")
+    resize = next(e for e in events if e["kind"] == "resize" and e["ts"] > notice["ts"])
     assert resize["graceful"] and resize["lost_steps"] == 0, resize
     assert notice["nodes"] == [victim]
     assert not [e for e in events if e["kind"] == "failure"]  # no failure: a planned move

@@ -243,6 +243,8 @@ class Controller:
             time.sleep(self._run.poll_interval_s)
             return st
         assert isinstance(d, Resize)
+        if self._drained(spares, fresh=True):  # a notice arrived since: decide again
+            return st
         self._events.emit(EventKind.DECISION, d.reason, decision="resize", world_size=d.world_size)
         members = sorted(spares, key=lambda h: (h.prev_rank, h.wid))[: d.world_size]
         return self._form_group(members) or Scheduling(since=st.since)
@@ -396,11 +398,12 @@ class Controller:
         time.sleep(self._run.poll_interval_s)
         return st
 
-    def _drained(self, members: List[WorkerHandle]) -> List[WorkerHandle]:
+    def _drained(self, members: List[WorkerHandle], fresh: bool = False) -> List[WorkerHandle]:
         """Members on nodes Ray is draining (a preemption notice: ``ray drain-node``, the
-        autoscaler/KubeRay, or raylastic's cloud-metadata watcher). Checked every 0.5 s."""
+        autoscaler/KubeRay, or raylastic's cloud-metadata watcher). Checked every 0.5 s,
+        or now when ``fresh`` (before forming a group)."""
         now = time.monotonic()
-        if now - self._draining_checked_at >= DRAIN_CHECK_INTERVAL_S:
+        if fresh or now - self._draining_checked_at >= DRAIN_CHECK_INTERVAL_S:
             self._draining_checked_at = now
             try:
                 from ray._private.state import state as gcs_state
