@@ -102,6 +102,8 @@ class SpotCloud:
         from ray.autoscaler.v2.utils import is_autoscaler_v2
         from ray.cluster_utils import Cluster
 
+        if self._dir is not None:
+            raise RuntimeError("SpotCloud is already started; create a new one per cluster")
         if self._connect_driver and ray.is_initialized():
             raise RuntimeError("SpotCloud connects this process's driver to its head, but "
                                "Ray is already initialized here: call ray.shutdown() first, "
