@@ -253,11 +253,12 @@ def main(argv=None) -> int:
 
     missed = [r for r in rows if not (r["meets_stall_target"] and r["meets_throughput_target"])]
     if any(not r["meets_stall_target"] for r in rows):
-        notes.append("async stall = staging: a full local copy + CRC32 of the checkpoint on the "
-                     "training thread (about 0.03 s per 50 MB, 0.3 s per 500 MB here). It scales "
-                     "with the checkpoint size, so async/sync is about (local copy speed / upload "
-                     "speed): ~6-10 % against a ~150 MB/s store, and ~30-90 % on local storage, "
-                     "where the 'upload' is itself a local copy.")
+        per100 = statistics.median(r["stage_s"] / r["size_mb"] * 100 for r in rows)
+        notes.append(f"async stall = staging: a full local copy + CRC32 of the checkpoint on the "
+                     f"training thread (median {per100:.3f} s per 100 MB in this run). It scales with "
+                     "the checkpoint size, so async/sync is roughly upload speed / local copy speed: "
+                     "a few % against a ~150-200 MB/s store, tens of % on local storage, where the "
+                     "'upload' is itself a local copy.")
     if any(not r["meets_throughput_target"] for r in rows if r["backend"] == "local"):
         notes.append("local: Storage.upload_dir copies the files one after another (temp file + "
                      "os.replace), copy_files uses a thread pool; both are page-cache copies here "

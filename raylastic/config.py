@@ -219,6 +219,9 @@ class RunConfig:
             ``<run>/tensorboard``.
         total_steps: the number of reports the run will make, if known: enables the
             ETA of the progress line.
+        storage_retry: a ``raylastic.checkpoint.storage.RetryPolicy`` for transient
+            storage errors (attempts, backoff); ``None`` keeps the default (5 attempts,
+            0.2-5 s exponential backoff with jitter).
     """
 
     name: Optional[str] = None
@@ -230,8 +233,15 @@ class RunConfig:
     progress: bool = True
     tensorboard: bool = True
     total_steps: Optional[int] = None
+    storage_retry: Optional[Any] = None
 
     def __post_init__(self) -> None:
+        if self.storage_retry is not None:
+            from raylastic.checkpoint.storage import RetryPolicy
+
+            _check(isinstance(self.storage_retry, RetryPolicy),
+                   "RunConfig.storage_retry must be a raylastic.checkpoint.storage.RetryPolicy, got "
+                   f"{type(self.storage_retry).__name__}.")
         if self.total_steps is not None:
             _check(isinstance(self.total_steps, int) and self.total_steps >= 1,
                    f"RunConfig.total_steps must be an int >= 1 or None, got {self.total_steps!r}.")

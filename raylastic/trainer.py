@@ -99,7 +99,7 @@ class ElasticTrainer:
         from raylastic._internal.controller.controller import Controller
         from raylastic.checkpoint.storage import Storage
 
-        storage = Storage(self._run.storage_path)  # bad URIs / credentials fail here
+        storage = Storage(self._run.storage_path, retry=self._run.storage_retry)  # bad URIs/credentials fail here
         from raylastic._internal.cluster.notices import sources_from_env
 
         try:  # a bad RAYLASTIC_PREEMPTION_SOURCES fails here, not in every worker

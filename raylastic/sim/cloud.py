@@ -190,20 +190,16 @@ class SpotCloud:
             source="raylastic.sim.SpotCloud")
 
     def alive_nodes(self, node_type: Optional[str] = None) -> Dict[str, str]:
-        """Alive worker nodes (draining ones included) as ``{node_id_hex: node_type}``:
-        alive in the GCS and fully started (``node_up`` recorded)."""
+        """Alive worker nodes (draining ones included) as ``{node_id_hex: node_type}``, as
+        the GCS sees them."""
         from ray.core.generated import gcs_pb2
 
         self._started()
         with self._gcs_lock:
             infos = self._gcs.get_all_node_info(timeout=10)
-        # The GCS lists a node a moment before Ray's Node() returns in the provider. A
-        # node that dies in between (a drain makes an idle raylet exit at once) leaves
-        # Node() blocked for 30 s, so a node is not offered for preemption before that.
-        up = {e["node_id"] for e in _prov.read_events(self._dir) if e["event"] == "node_up"}
         out = {}
         for node_id, info in infos.items():
-            if info.state != gcs_pb2.GcsNodeInfo.ALIVE or node_id.hex() not in up:
+            if info.state != gcs_pb2.GcsNodeInfo.ALIVE:
                 continue
             names = [k[len(RESOURCE_PREFIX):] for k in info.resources_total
                      if k.startswith(RESOURCE_PREFIX)]
@@ -239,11 +235,13 @@ class SpotCloud:
         return sorted(own + theirs, key=lambda e: e["ts"])
 
     def wait_for_nodes(self, node_type: str, n: int, timeout_s: float) -> Dict[str, str]:
-        """Wait until at least ``n`` nodes of ``node_type`` are alive; returns them."""
+        """Wait until at least ``n`` nodes of ``node_type`` are alive and fully started
+        (``node_up`` recorded, so they can be preempted); returns them."""
         self._check_type(node_type)
 
         def enough():
-            alive = self.alive_nodes(node_type)
+            up = self._started_ids()
+            alive = {k: v for k, v in self.alive_nodes(node_type).items() if k in up}
             return alive if len(alive) >= n else None
 
         return wait_for(enough, timeout_s, lambda: (
@@ -336,9 +334,16 @@ class SpotCloud:
             self.preempt(e.node_type, e.count, e.notice_s * time_scale)
 
     def _preemptible(self, node_type: str) -> List[str]:
+        """Alive, fully started (``node_up`` recorded) and not yet noticed. The GCS lists
+        a node a moment before Ray's ``Node()`` returns in the provider; a node that dies
+        in between (a drain makes an idle raylet exit at once) blocks ``Node()`` for 30 s."""
         alive = self.alive_nodes(node_type)
+        up = self._started_ids()
         with self._lock:
-            return [n for n in alive if n not in self._noticed]
+            return [n for n in alive if n in up and n not in self._noticed]
+
+    def _started_ids(self) -> set:
+        return {e["node_id"] for e in _prov.read_events(self._dir) if e["event"] == "node_up"}
 
     def _notice(self, node_type: str, node_id: str, notice_s: float) -> None:
         from ray.core.generated import autoscaler_pb2

@@ -260,32 +260,41 @@ def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
     # upload runs; keep it frozen only if storage confirms the upload is still in flight (its
     # shard absent, no manifest) and the checkpoint before it is committed. Otherwise let it
     # go and try the next checkpoint.
-    victim, seen, tries = None, set(), 0
-    deadline = time.monotonic() + 150
-    while victim is None:
-        assert time.monotonic() < deadline, f"no in-flight upload caught; log: {read_log(log_dir)[-5:]}"
-        assert th.is_alive(), f"fit() ended early: {th.error or th.result}"
-        for rec in _log(log_dir, "reported", rank=1, epoch=1, checkpoint=True):
-            if rec["index"] in seen or rec["index"] < 2 * every:
-                continue
-            seen.add(rec["index"])
-            tries += 1
-            start = _log(log_dir, "start", rank=1, epoch=1)[0]
-            os.kill(start["pid"], signal.SIGSTOP)
-            listing = storage.list_dir(f"{ckpts}/{_dir(rec['index'], 1)}")
-            previous = _dir(rec["index"] - every, 1)
-            if shard_name(1) not in listing and MANIFEST not in listing \
-                    and storage.exists(f"{ckpts}/{previous}/{MANIFEST}"):
-                victim = {"index": rec["index"], "pid": start["pid"], "node_id": start["node_id"],
-                          "listing": listing, "previous": previous}
-                break
-            os.kill(start["pid"], signal.SIGCONT)
-        time.sleep(0.005)
+    frozen = None  # never leave a stopped worker behind if an assertion fails
+    try:
+        victim, seen, tries = None, set(), 0
+        deadline = time.monotonic() + 150
+        while victim is None:
+            assert time.monotonic() < deadline, f"no in-flight upload caught; log: {read_log(log_dir)[-5:]}"
+            assert th.is_alive(), f"fit() ended early: {th.error or th.result}"
+            for rec in _log(log_dir, "reported", rank=1, epoch=1, checkpoint=True):
+                if rec["index"] in seen or rec["index"] < 2 * every:
+                    continue
+                seen.add(rec["index"])
+                tries += 1
+                start = _log(log_dir, "start", rank=1, epoch=1)[0]
+                os.kill(start["pid"], signal.SIGSTOP)
+                frozen = start["pid"]
+                listing = storage.list_dir(f"{ckpts}/{_dir(rec['index'], 1)}")
+                previous = _dir(rec["index"] - every, 1)
+                if shard_name(1) not in listing and MANIFEST not in listing \
+                        and storage.exists(f"{ckpts}/{previous}/{MANIFEST}"):
+                    victim = {"index": rec["index"], "pid": start["pid"], "node_id": start["node_id"],
+                              "listing": listing, "previous": previous}
+                    break
+                os.kill(start["pid"], signal.SIGCONT)
+                frozen = None
+            time.sleep(0.005)
 
-    # The node dies with the upload in flight: raylet first, then the (frozen) worker.
-    cluster.remove_node(cluster.node_by_id(victim["node_id"]))
-    wait_until(lambda: victim["node_id"] not in cluster.alive_node_ids(), 30, what="node death")
-    os.kill(victim["pid"], signal.SIGKILL)
+        # The node dies with the upload in flight: raylet first, then the (frozen) worker.
+        cluster.remove_node(cluster.node_by_id(victim["node_id"]))
+        wait_until(lambda: victim["node_id"] not in cluster.alive_node_ids(), 30, what="node death")
+        os.kill(victim["pid"], signal.SIGKILL)
+        frozen = None
+    except BaseException:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGKILL)
+        raise
     killed_at = time.time()
     print(f"rank 1 frozen and its node killed during the upload of checkpoint {victim['index']} "
           f"(attempt {tries}); that directory then held {victim['listing']}")

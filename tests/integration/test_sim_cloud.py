@@ -75,7 +75,7 @@ def test_capacity_cap_holds_and_raising_it_launches_after_the_delay():
         assert ray.get_runtime_context().get_node_id() == HEAD_NODE_ID  # driver on the head
         request_resources(bundles=[SPOT] * 3)
         first = cloud.wait_for_nodes("spot", 1, timeout_s=30)
-        (up,) = _events(cloud, "node_up", "spot")  # wait_for_nodes counts started nodes
+        (up,) = _events(cloud, "node_up", "spot")  # wait_for_nodes waits for node_up
         up_ts = up["ts"]
         # The autoscaler keeps asking for the two missing nodes and is refused each time.
         wait_until(lambda: _refused(cloud, "spot", after_ts=up_ts) >= 4, 20,
@@ -152,6 +152,7 @@ def test_on_demand_launches_while_spot_is_capped_at_zero():
         node_id = ray.get(probe.node.remote(), timeout=40)
         labels = next(n["Labels"] for n in ray.nodes() if n["NodeID"] == node_id)
         assert labels[MARKET_LABEL] == "on_demand" and labels[NODE_TYPE_LABEL] == "on_demand"
+        assert list(cloud.wait_for_nodes("on_demand", 1, timeout_s=10)) == [node_id]
         wait_until(lambda: _refused(cloud, "spot") >= 2, 20, what="refused spot launches")
         assert cloud.node_counts() == {"spot": 0, "on_demand": 1}
         assert not _events(cloud, "launch", "spot")

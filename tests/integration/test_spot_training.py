@@ -44,7 +44,12 @@ def test_drought_falls_back_to_on_demand_and_returns_to_spot(tmp_path):
         cloud.start_trace(shipped_trace("drought"), time_scale=SCALE)
         migrate = w.wait_for_event(EventKind.DECISION, 200,
                                    where=lambda e: e.get("decision") == "capacity.migrate_to_spot")
-        w.wait_for_event(EventKind.GROUP_FORMED, 60, where=lambda e: e["ts"] > migrate["ts"])
+
+        def on_spot_only(e):  # the policy may move workers back in more than one step
+            spot = {r["node_id"] for r in w.events(EventKind.WORKER_READY) if r["market"] == "spot"}
+            return e["ts"] > migrate["ts"] and set(e["nodes"]) <= spot
+
+        w.wait_for_event(EventKind.GROUP_FORMED, 90, where=on_spot_only)
         stop.touch()
         result = th.wait(120)
         history = cloud.history
