@@ -336,7 +336,8 @@ class SpotCloud:
     def _preemptible(self, node_type: str) -> List[str]:
         """Alive, fully started (``node_up`` recorded) and not yet noticed. The GCS lists
         a node a moment before Ray's ``Node()`` returns in the provider; a node that dies
-        in between (a drain makes an idle raylet exit at once) blocks ``Node()`` for 30 s."""
+        in between (a drain makes an idle raylet exit at once) left ``Node()`` blocked for
+        more than 10 s."""
         alive = self.alive_nodes(node_type)
         up = self._started_ids()
         with self._lock:
