@@ -29,6 +29,7 @@ import time
 import weakref
 from pathlib import Path
 from typing import Optional
+from raylastic.testing.ports import free_port
 
 __all__ = ["Azurite", "AzuriteNotInstalled", "find_azurite"]
 
@@ -53,12 +54,6 @@ def find_azurite() -> Optional[str]:
     if _REPO_AZURITE.exists():
         return str(_REPO_AZURITE)
     return shutil.which("azurite")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -110,9 +105,9 @@ class Azurite:
             raise AzuriteNotInstalled(f"azurite executable not found ({exe or _REPO_AZURITE}); {_INSTALL_HINT}")
         self.executable = exe
         self.startup_timeout_s = startup_timeout_s
-        self.blob_port = _free_port(self.host)
-        self.table_port = _free_port(self.host)
-        self.queue_port = _free_port(self.host)
+        self.blob_port = free_port(self.host)
+        self.table_port = free_port(self.host)
+        self.queue_port = free_port(self.host)
         self._workdir = tempfile.mkdtemp(prefix="raylastic-azurite-")
         self._proc: Optional[subprocess.Popen] = None
         self._procs: list = [None]  # shared with the finalizer, which must not hold ``self``

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import time
 import uuid
 import weakref
 from typing import Optional
+from raylastic.testing.ports import free_ports
 
 __all__ = ["SeaweedS3", "SeaweedNotInstalled", "find_weed"]
 
@@ -48,20 +48,6 @@ def find_weed() -> Optional[str]:
     if os.access(here, os.X_OK):
         return here
     return shutil.which("weed")
-
-
-def _free_ports(n: int) -> list[int]:
-    """Hold all sockets open while choosing so the n ports are distinct."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
@@ -104,7 +90,7 @@ class SeaweedS3:
         self.startup_timeout_s = startup_timeout_s
         self.access_key = "raylastic-admin"
         self.secret_key = uuid.uuid4().hex  # per-instance: a leaked test key opens nothing
-        self.ports = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES))))
+        self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES))))
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="raylastic-seaweed-")
         os.makedirs(self.data_dir, exist_ok=True)

@@ -20,7 +20,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,25 +31,12 @@ from typing import Dict, List, Optional
 
 import psutil
 import pytest
+from raylastic.testing.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 VENV_BIN = Path(sys.executable).parent  # the venv running the tests: python, ray, ...
 MARKER_ENV = "RAYLASTIC_TEST_HEAD"
-
-
-def _free_ports(n: int) -> List[int]:
-    """``n`` distinct ports free on 127.0.0.1 right now (all held open while choosing)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -128,7 +114,7 @@ class RayHead:
         self.temp_dir = tempfile.mkdtemp(prefix="rlj-", dir="/tmp")
         self._recorded = []
         (self.gcs_port, self.dashboard_port, client_port, agent_port,
-         runtime_env_port, metrics_port) = _free_ports(6)
+         runtime_env_port, metrics_port) = free_ports(6)
         cmd = [str(VENV_BIN / "ray"), "start", "--head",
                "--node-ip-address=127.0.0.1", f"--port={self.gcs_port}",
                "--include-dashboard=true", "--dashboard-host=127.0.0.1",
