@@ -7,10 +7,12 @@ import heapq
 import itertools
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any, Callable, List, Mapping, Optional
+
+from raylastic.testing.cluster import wait_until
+from raylastic.testing.ports import free_ports
 
 logger = logging.getLogger(__name__)
 
@@ -63,25 +65,14 @@ class Scheduler(threading.Thread):
                     self._running -= 1
 
 
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str,
-             interval_s: float = 0.1) -> Any:
-    """Poll until ``predicate()`` is truthy and return it; ``TimeoutError`` naming ``what``
-    (a callable is called for an up-to-date message)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            text = what() if callable(what) else what
-            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {text}")
-        time.sleep(interval_s)
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: Any, interval_s: float = 0.1) -> Any:
+    """``raylastic.testing.cluster.wait_until`` at the simulator's 0.1 s polling interval."""
+    return wait_until(predicate, timeout_s, interval_s=interval_s, what=what)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """A port free on every interface (the head's GCS binds the node address)."""
+    return free_ports(1, host="")[0]
 
 
 class environ:

@@ -102,13 +102,15 @@ class LocalCluster:
         self.shutdown()
 
 
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):
-    """Poll ``predicate`` until it returns a truthy value; TimeoutError after timeout_s."""
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what="condition"):
+    """Poll ``predicate`` until it returns a truthy value and return it; TimeoutError after
+    timeout_s naming ``what`` (a callable is called for an up-to-date message)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            text = what() if callable(what) else what
+            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {text}")
         time.sleep(interval_s)
