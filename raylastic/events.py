@@ -49,18 +49,24 @@ class JsonlWriter:
 
     Local storage appends and flushes every line (a crash loses at most a partial
     last line, which readers skip). Object stores cannot append, so the whole file is
-    rewritten at most every ``sync_interval_s`` and on ``close()``.
+    rewritten at most every ``sync_interval_s`` and on ``close()``, by a background
+    thread: during a storage outage the uploads retry there, never on the caller's
+    thread (the controller's loop keeps reacting to failures meanwhile).
     """
 
     def __init__(self, storage, rel: str, sync_interval_s: float = 5.0):
         self._storage = storage
         self._rel = rel
         self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()  # one upload at a time, in order
         self._lines: List[str] = []
         self._sync_interval_s = sync_interval_s
-        self._last_sync = 0.0
-        self._dirty = False
+        self._version = 0  # lines appended so far
+        self._synced = 0  # lines in the last successful upload
         self._fh = None
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._thread: Optional[threading.Thread] = None
         if storage.is_local:
             path = storage.path(rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -71,6 +77,9 @@ class JsonlWriter:
                 self._lines = [ln for ln in existing.splitlines() if ln.strip()]
             except Exception:  # noqa: BLE001 - a new run has no file yet
                 self._lines = []
+            self._version = self._synced = len(self._lines)
+            self._thread = threading.Thread(target=self._sync_loop, name=f"raylastic-sync-{rel}", daemon=True)
+            self._thread.start()
 
     def write(self, record: Dict[str, Any]) -> None:
         line = json.dumps(record, default=_json_default, sort_keys=False)
@@ -80,32 +89,46 @@ class JsonlWriter:
                 self._fh.flush()
                 return
             self._lines.append(line)
-            self._dirty = True
-            if time.monotonic() - self._last_sync >= self._sync_interval_s:
-                self._sync_locked()
+            self._version += 1
 
-    def _sync_locked(self) -> None:
-        if not self._dirty:
-            return
-        try:
-            self._storage.write_bytes(self._rel, ("\n".join(self._lines) + "\n").encode())
-            self._dirty = False
-        except Exception as e:  # noqa: BLE001 - logging must never kill training
-            logger.warning("could not sync %s: %s", self._rel, e)
-        self._last_sync = time.monotonic()
+    def _sync_loop(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(self._sync_interval_s)
+            self._wake.clear()
+            if not self._closed.is_set():
+                self._sync()
+
+    def _sync(self) -> bool:
+        """Upload the file if lines were added since the last upload; False on failure."""
+        with self._sync_lock:
+            with self._lock:
+                version, text = self._version, "\n".join(self._lines) + "\n"
+            if version == self._synced:
+                return True
+            try:
+                self._storage.write_bytes(self._rel, text.encode())
+            except Exception as e:  # noqa: BLE001 - logging must never kill training
+                logger.warning("could not sync %s: %s", self._rel, e)
+                return False
+            self._synced = version
+            return True
 
     def flush(self) -> None:
-        with self._lock:
-            if self._fh is None:
-                self._sync_locked()
+        """Upload now (object stores), on the caller's thread."""
+        if self._fh is None:
+            self._sync()
 
     def close(self) -> None:
         with self._lock:
             if self._fh is not None:
                 self._fh.close()
                 self._fh = None
-            else:
-                self._sync_locked()
+                return
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self._sync()
 
 
 def _json_default(obj: Any) -> Any:

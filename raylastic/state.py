@@ -23,7 +23,12 @@ rank's own snapshot when the rank survived. Sharded state (FSDP, ZeRO) has no su
 replicas: use storage checkpoints for it.
 
 Cost: ``commit()`` copies the state into host buffers recycled from the snapshot before
-last (no allocation, no page faults): one memcpy of model + optimizer state per step.
+last (no allocation, no page faults). By default (``async_snapshot=True``, an optimizer
+registered) the copy of parameters and optimizer state runs in a background thread (CUDA:
+a side stream into pinned memory) while the next step's forward and backward run; the
+optimizer's next ``step()`` waits for it (see ``_internal/snapshot_copy.py``). Contract:
+between ``commit()`` and the next ``optimizer.step()``, do not change parameters in place
+other than through the optimizer (or pass ``async_snapshot=False``).
 Serialising and uploading a persisted snapshot happen in a background thread.
 Memory: two snapshots per worker, double-buffered (a commit copies into the buffers of
 the older one), plus one more while a persisted snapshot is being written to storage.
@@ -42,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from raylastic import session as _session
+from raylastic._internal.snapshot_copy import StateCopier, clone_to_cpu, nbytes
 
 STATE_FILE = "elastic_state.pt"
 
@@ -52,7 +58,9 @@ class Snapshot:
     plain: Dict[str, Any]
     tensors: Dict[str, Any] = field(default_factory=dict)  # model/optimizer state dicts (cloned)
     rng: Dict[str, Any] = field(default_factory=dict)
-    complete: threading.Event = field(default_factory=threading.Event)
+    complete: threading.Event = field(default_factory=threading.Event)  # copied successfully
+    done: threading.Event = field(default_factory=threading.Event)  # copy over, either way
+    error: Optional[BaseException] = None
     nbytes: int = 0
     pins: int = 0  # a background writer is reading the tensors: do not recycle
 
@@ -84,6 +92,7 @@ class SnapshotStore:
                 return None
             self._snaps.pop(0)
             oldest.complete.clear()
+            oldest.done.clear()
             return oldest
 
     def complete_indices(self, run: str) -> List[int]:
@@ -112,7 +121,7 @@ class SnapshotStore:
         with self._lock:
             snaps = list(self._snaps)
         for snap in snaps:
-            snap.complete.wait(timeout_s)
+            snap.done.wait(timeout_s)
 
     def nbytes(self) -> int:
         with self._lock:
@@ -120,42 +129,6 @@ class SnapshotStore:
 
 
 STORE = SnapshotStore()
-
-
-def _clone(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def _copy_into(dst: Any, src: Any) -> Any:
-    """Copy ``src`` (a state dict) into the buffers of ``dst`` where shapes match."""
-    if isinstance(src, torch.Tensor):
-        if (isinstance(dst, torch.Tensor) and dst.shape == src.shape and dst.dtype == src.dtype
-                and dst.device.type == "cpu"):
-            return dst.copy_(src.detach())
-        return src.detach().to("cpu", copy=True)
-    if isinstance(src, dict):
-        dst = dst if isinstance(dst, dict) else {}
-        return {k: _copy_into(dst.get(k), v) for k, v in src.items()}
-    if isinstance(src, (list, tuple)):
-        dst = dst if isinstance(dst, (list, tuple)) and len(dst) == len(src) else [None] * len(src)
-        return type(src)(_copy_into(d, v) for d, v in zip(dst, src))
-    return copy.deepcopy(src)
-
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
 
 
 class ElasticState:
@@ -167,9 +140,11 @@ class ElasticState:
     def __init__(self, *, model: Optional[torch.nn.Module] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler: Any = None,
                  loader: Any = None, persist_every: Optional[int] = None, snapshot_every: int = 1,
-                 **attrs: Any):
+                 async_snapshot: bool = True, **attrs: Any):
         if not isinstance(snapshot_every, int) or snapshot_every < 1:
             raise ValueError(f"ElasticState(snapshot_every={snapshot_every!r}) must be an int >= 1")
+        if not isinstance(async_snapshot, bool):
+            raise ValueError(f"ElasticState(async_snapshot={async_snapshot!r}) must be True or False")
         object.__setattr__(self, "_objs", {k: v for k, v in {
             "model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "loader": loader,
         }.items() if v is not None})
@@ -179,6 +154,9 @@ class ElasticState:
         object.__setattr__(self, "restored_from", "none")
         sess = _session._get_session()
         object.__setattr__(self, "_sess", sess)
+        # Overlapping the copy with the next step needs a point where it must be over:
+        # the registered optimizer's next step(). Without an optimizer, copies are synchronous.
+        object.__setattr__(self, "_copier", StateCopier(model, optimizer, overlap=async_snapshot))
         self._restore()
 
     # -- plain attributes ----------------------------------------------------------
@@ -243,7 +221,7 @@ class ElasticState:
                              "ElasticState with other objects registered")
         for name in want:
             try:
-                self._objs[name].load_state_dict(_clone(tensors[name]))
+                self._objs[name].load_state_dict(clone_to_cpu(tensors[name]))
             except (RuntimeError, ValueError, KeyError) as e:
                 raise ValueError(f"cannot restore {name}: the saved state does not fit it "
                                  f"(different model shape or optimizer?): {e}") from None
@@ -259,7 +237,8 @@ class ElasticState:
     def commit(self, metrics: Optional[Dict[str, Any]] = None) -> None:
         """Snapshot this step's state and report ``metrics`` (default ``attrs``).
 
-        The copy happens now, into recycled buffers; with ``snapshot_every=k`` only every
+        The copy starts now, into recycled buffers, and (``async_snapshot``) overlaps the
+        next step until its ``optimizer.step()``; with ``snapshot_every=k`` only every
         k-th commit copies (an unannounced loss then redoes up to k steps, for 1/k of the
         copy cost). Every ``persist_every`` commits (or
         ``CheckpointConfig.persist_every``), rank 0 also writes the snapshot to storage,
@@ -277,14 +256,18 @@ class ElasticState:
                               if k in self._PLAIN_OBJECTS}}
         snap = Snapshot(index=index, plain=plain,
                         rng={"torch": torch.get_rng_state(), "python": random.getstate()})
-        live = {k: o.state_dict() for k, o in self._objs.items() if k in self._TENSOR_OBJECTS}
         old = STORE.recycle(sess.run_rel)
-        # A synchronous copy into recycled buffers: measured here, a background thread
-        # cost more (thread start + GIL hand-offs) than the memcpy it would hide.
-        snap.tensors = _copy_into(old.tensors if old is not None else None, live)
-        snap.nbytes = _nbytes(snap.tensors)
-        snap.complete.set()
-        STORE.add(sess.run_rel, snap)
+
+        def finished(error: Optional[BaseException]) -> None:
+            snap.error = error
+            if error is None:
+                snap.complete.set()
+            snap.done.set()
+
+        snap.tensors, start = self._copier.copy(old.tensors if old is not None else None, finished)
+        snap.nbytes = nbytes(snap.tensors)
+        STORE.add(sess.run_rel, snap)  # listed as complete only once finished()
+        start()
         writer = self._writer(snap) if persist and sess.spec.rank == 0 else None
         sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), writer,
                              persist=persist)
@@ -296,7 +279,9 @@ class ElasticState:
 
         def write(directory: str) -> None:
             try:
-                snap.complete.wait()
+                snap.done.wait()
+                if snap.error is not None:
+                    raise RuntimeError(f"snapshot {snap.index} was not copied: {snap.error}")
                 torch.save({"plain": snap.plain, "tensors": snap.tensors}, os.path.join(directory, STATE_FILE))
             finally:
                 snap.pins -= 1

@@ -196,3 +196,35 @@ def test_azure_server_stopped_mid_run_then_restarted(azurite_private, monkeypatc
     create_azure_container(azurite_private.connection_string, "checkpoints")
     s.write_bytes("b", b"2")
     assert s.read_bytes("b") == b"2" and s.list_dir() == ["b"]
+
+
+def test_event_log_writes_never_wait_for_a_store_that_is_down(seaweed_private, monkeypatch):
+    """The controller appends events on its loop; on an object store the uploads happen in
+    a background thread, so an outage (each upload retrying for seconds) never blocks a
+    write, and every line written during it is uploaded once the store is back."""
+    from raylastic.events import JsonlWriter, read_jsonl
+
+    clear_storage_env(monkeypatch)
+    for key, value in seaweed_private.env().items():
+        monkeypatch.setenv(key, value)
+    slow = RetryPolicy(max_attempts=4, base_delay_s=0.5, max_delay_s=1.0)  # ~2 s per failing upload
+    s = Storage(seaweed_private.uri("events"), retry=slow)
+    w = JsonlWriter(s, "run/events.jsonl", sync_interval_s=0.05)
+    w.write({"i": 0})
+    deadline = time.monotonic() + 30
+    while not s.exists("run/events.jsonl"):  # the background thread uploads on its own
+        assert time.monotonic() < deadline, "the first line was never uploaded"
+        time.sleep(0.05)
+
+    seaweed_private.stop()
+    t0 = time.monotonic()
+    for i in range(1, 40):
+        w.write({"i": i})
+        time.sleep(0.02)  # spread over several sync intervals
+    took = time.monotonic() - t0
+    assert took < 0.02 * 39 + 1.0, f"40 writes took {took:.1f} s during the outage"
+
+    seaweed_private.start()
+    w.close()
+    lines = list(read_jsonl(s.read_bytes("run/events.jsonl").decode()))
+    assert [r["i"] for r in lines] == list(range(40))

@@ -1,8 +1,12 @@
 """Snapshot store rules (no Ray): double buffering, pinning, and the restore choice."""
 
+import threading
+
+import pytest
 import torch
 
-from raylastic.state import Snapshot, SnapshotStore, _copy_into, restore_from_memory_possible
+from raylastic._internal.snapshot_copy import copy_into as _copy_into
+from raylastic.state import Snapshot, SnapshotStore, restore_from_memory_possible
 
 
 def _snap(i, complete=True):
@@ -46,3 +50,94 @@ def test_restore_choice_is_the_newest_snapshot_all_holders_share():
     assert restore_from_memory_possible({1: [4, 5], 2: [5, 6], 3: []}) == 5
     assert restore_from_memory_possible({1: [4], 2: [6]}) is None
     assert restore_from_memory_possible({1: [], 2: []}) is None
+
+
+def _trained_pair(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    return model, opt
+
+
+def _step(model, opt, i):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def _flat(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj.clone()]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _flat(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _flat(v)]
+    return []
+
+
+def test_overlapped_copy_equals_the_state_at_commit_although_the_next_step_runs():
+    """The copy runs while the next forward/backward runs; the next optimizer step
+    waits for it, and BatchNorm's running stats (written by forward) are copied at once."""
+    from raylastic._internal.snapshot_copy import COPY_THREAD, StateCopier
+
+    model, opt = _trained_pair()
+    copier = StateCopier(model, opt, overlap=True)
+    assert copier.overlap
+    _step(model, opt, 0)
+    expected = {"model": _copy_into(None, model.state_dict()), "optimizer": _copy_into(None, opt.state_dict())}
+    # Hold the copy thread so the copy cannot have happened before the next step starts:
+    # only the optimizer's pre-hook keeps the step from writing what is being copied.
+    gate = threading.Event()
+    COPY_THREAD.submit(gate.wait)
+    threading.Timer(0.3, gate.set).start()
+    done = []
+    tensors, start = copier.copy(None, done.append)
+    start()
+    for i in range(1, 4):  # forward (BatchNorm stats), backward, step: all change the live state
+        _step(model, opt, i)
+    assert gate.is_set() and done == [None]
+    got, want = _flat(tensors), _flat(expected)
+    assert len(got) == len(want) > 0
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert not torch.equal(tensors["model"]["0.weight"], model.state_dict()["0.weight"])
+
+
+def test_copy_is_synchronous_without_an_optimizer_or_when_asked():
+    from raylastic._internal.snapshot_copy import StateCopier
+
+    model, opt = _trained_pair()
+    assert not StateCopier(model, None, overlap=True).overlap
+    copier = StateCopier(model, opt, overlap=False)
+    done = []
+    tensors, start = copier.copy(None, done.append)
+    assert torch.equal(tensors["model"]["0.weight"], model.state_dict()["0.weight"])
+    start()
+    assert done == [None]
+
+
+def test_recycled_buffers_are_reused_by_the_overlapped_copy():
+    from raylastic._internal.snapshot_copy import StateCopier
+
+    model, opt = _trained_pair()
+    copier = StateCopier(model, opt, overlap=True)
+    _step(model, opt, 0)
+    first, start = copier.copy(None, lambda _e: None)
+    start()
+    _step(model, opt, 1)
+    second, start = copier.copy(first, lambda _e: None)
+    start()
+    copier.wait()
+    assert second["model"]["0.weight"] is first["model"]["0.weight"]
+    assert torch.equal(second["model"]["0.weight"], model.state_dict()["0.weight"])
+
+
+def test_a_failed_background_copy_is_raised_at_the_next_optimizer_step():
+    from raylastic._internal.snapshot_copy import PendingCopy
+
+    errors = []
+    bad = PendingCopy([(torch.empty(2), torch.ones(3))], errors.append)  # shapes differ
+    bad.start()
+    with pytest.raises(RuntimeError, match="snapshot copy failed"):
+        bad.wait()
+    assert len(errors) == 1 and errors[0] is not None

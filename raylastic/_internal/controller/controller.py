@@ -21,6 +21,7 @@ from raylastic._internal.controller.states import (
 from raylastic._internal.worker_group.pool import WorkerHandle, WorkerPool
 from raylastic._internal.worker_group.worker import PollResult, WorkerStatus
 from raylastic.checkpoint.manager import CheckpointManager
+from raylastic.checkpoint.storage import StorageError
 from raylastic.config import RunConfig, ScalingConfig, describe
 from raylastic.errors import (
     InsufficientCapacityError, RankFailure, TrainingAborted, TrainingFailedError,
@@ -147,6 +148,9 @@ class Controller:
                                       node_type=h.info.get("node_type"), market=h.info.get("market"))
                 self._pool.fill()
                 self._set_state(self._step(self._state))
+        except StorageError as e:  # a manifest or retention write failed past its retries
+            logger.exception("controller could not write to storage")
+            self._set_state(Errored(_storage_failure(e, self._storage.uri)), check=False)
         except BaseException as e:  # noqa: BLE001 - never leave workers behind
             logger.exception("controller crashed")
             self._set_state(Errored(e), check=False)
@@ -699,6 +703,16 @@ def _is_crash(m: WorkerHandle, cause: Optional[BaseException]) -> bool:
     except Exception:  # noqa: BLE001
         return False
     return bool(m.node_id) and m.node_id in alive and isinstance(cause, ActorDiedError)
+
+
+def _storage_failure(e: BaseException, uri: str) -> TrainingFailedError:
+    err = TrainingFailedError(
+        f"the controller could not write to the run's storage {uri} ({type(e).__name__}: {e}). "
+        "Nothing committed is lost: fix the storage (service, credentials, "
+        "RunConfig(storage_retry=...) for longer outages) and call fit() again with the same "
+        "RunConfig(name=...) to resume from the last committed checkpoint.")
+    err.__cause__ = e
+    return err
 
 
 def _cause_text(cause: Optional[BaseException]) -> str:
