@@ -15,9 +15,13 @@ intervals between rank 0's consecutive step-log entries after a warm-up; each ro
 ratio to the plain DDP run of the same round; reported: the median ratio over rounds and
 its range.
 
-Conditions: ``plain_ddp``; ``raylastic`` (``ElasticTrainer``, ``report()`` every step, no
-snapshot); ``raylastic_state`` (``ElasticState.commit()`` every step: an in-memory
-snapshot of model + Adam state every step, the default async copy).
+Conditions: ``plain_ddp`` (3 processes from ``torch.multiprocessing.spawn``);
+``plain_ddp_ray`` (the same loop in 3 bare Ray actors, one per node: processes set up as
+Ray sets up raylastic's workers, niceness and thread settings included, so this is the
+baseline that isolates raylastic's own cost); ``raylastic`` (``ElasticTrainer``,
+``report()`` every step, no snapshot); ``raylastic_state`` (``ElasticState.commit()``
+every step: an in-memory snapshot of model + Adam state every step, the default
+overlapped copy).
 
     .venv/bin/python benchmarks/steady_state.py [--rounds 4 --steps 120 --hidden 1536 --layers 5]
 
@@ -40,7 +44,7 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from recovery import RESULTS, _ddp_worker, _read_log  # noqa: E402
 
-CONDITIONS = ("plain_ddp", "raylastic", "raylastic_state")
+CONDITIONS = ("plain_ddp", "plain_ddp_ray", "raylastic", "raylastic_state")
 
 
 def _median_step(rows: List[Dict[str, Any]], warmup: int) -> float:
@@ -60,6 +64,31 @@ def run_plain_ddp(model: Dict[str, Any], steps: int, warmup: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
         mp.spawn(_ddp_worker, args=(3, port, model, steps, out), nprocs=3, join=True)
+        return _median_step(_read_log(out + ".steps-0"), warmup)
+
+
+def run_plain_ddp_in_ray_actors(model: Dict[str, Any], steps: int, warmup: int) -> float:
+    """The same plain DDP loop in 3 bare Ray actors (one per node, no raylastic): the
+    processes then run exactly as raylastic's workers do (Ray runs worker processes at
+    nice 15 with OMP_NUM_THREADS=1 set before torch is imported), so the difference to
+    ``raylastic`` is raylastic's own cost."""
+    import ray
+    import ray.cloudpickle
+
+    import recovery
+
+    ray.cloudpickle.register_pickle_by_value(recovery)  # benchmarks/ is not importable in workers
+
+    @ray.remote(num_cpus=1)
+    def rank_main(rank: int, port: int, out: str) -> None:
+        recovery._ddp_worker(rank, 3, port, model, steps, out)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        ray.get([rank_main.remote(r, port, out) for r in range(3)], timeout=600)
         return _median_step(_read_log(out + ".steps-0"), warmup)
 
 
@@ -101,29 +130,30 @@ def main() -> None:
     rounds: List[Dict[str, float]] = []
     with LocalCluster(num_nodes=3):
         for r in range(a.rounds):
-            order = CONDITIONS[r % 3:] + CONDITIONS[:r % 3]  # who goes first rotates
+            k = r % len(CONDITIONS)
+            order = CONDITIONS[k:] + CONDITIONS[:k]  # who goes first rotates
             got: Dict[str, float] = {}
             for cond in order:
                 t0 = time.time()
                 if cond == "plain_ddp":
                     got[cond] = run_plain_ddp(model, a.steps, a.warmup)
+                elif cond == "plain_ddp_ray":
+                    got[cond] = run_plain_ddp_in_ray_actors(model, a.steps, a.warmup)
                 else:
                     got[cond] = run_raylastic(model, a.steps, a.warmup, elastic_state=cond == "raylastic_state")
                 print(f"round {r}: {cond} median step {got[cond]:.4f} s ({time.time() - t0:.0f} s)", flush=True)
             rounds.append(got)
 
-    def ratios(cond: str) -> List[float]:
-        return [x[cond] / x["plain_ddp"] for x in rounds]
-
     summary = {}
     for cond in CONDITIONS[1:]:
-        rs = ratios(cond)
-        summary[cond] = {
-            "median_step_s": round(statistics.median(x[cond] for x in rounds), 5),
-            "ratio_to_plain_ddp": round(statistics.median(rs), 4),
-            "overhead_pct": round(100 * (statistics.median(rs) - 1), 2),
-            "ratio_range": [round(min(rs), 4), round(max(rs), 4)],
-        }
+        summary[cond] = {"median_step_s": round(statistics.median(x[cond] for x in rounds), 5)}
+        for base in ("plain_ddp", "plain_ddp_ray"):
+            if base == cond:
+                continue
+            rs = [x[cond] / x[base] for x in rounds]
+            summary[cond][f"ratio_to_{base}"] = round(statistics.median(rs), 4)
+            summary[cond][f"overhead_pct_vs_{base}"] = round(100 * (statistics.median(rs) - 1), 2)
+            summary[cond][f"ratio_range_vs_{base}"] = [round(min(rs), 4), round(max(rs), 4)]
     result = {
         "benchmark": "steady_state",
         "model": model, "params": _params(model), "world_size": 3,

@@ -83,6 +83,13 @@ class TrainingAborted(RaylasticError):
     """``fit()`` was interrupted (Ctrl-C) or the controller was asked to stop."""
 
 
+class SnapshotMismatchError(RaylasticError):
+    """An in-memory ``ElasticState`` snapshot does not fit the objects the train function
+    registered (another model shape, another optimizer, state built for another world
+    size). The controller drops the in-memory snapshots and restarts the group from the
+    last committed checkpoint in storage; not counted against ``max_failures``."""
+
+
 class CheckpointError(RaylasticError):
     """A checkpoint could not be written, committed or read."""
 

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from raylastic import session as _session
+from raylastic.errors import SnapshotMismatchError
 from raylastic._internal.snapshot_copy import StateCopier, clone_to_cpu, nbytes
 
 STATE_FILE = "elastic_state.pt"
@@ -185,9 +186,16 @@ class ElasticState:
                     f"rank {sess.spec.rank}: the in-memory snapshot {mem} the controller chose "
                     "is not here (and no broadcast was planned)")
             STORE.drop_after(sess.run_rel, mem)
-            self._load(snap.plain, snap.tensors, snap.rng)
+            try:
+                self._load(snap.plain, snap.tensors, snap.rng)
+            except ValueError as e:
+                raise SnapshotMismatchError(
+                    f"rank {sess.spec.rank}: in-memory snapshot {mem} does not fit: {e}") from None
             object.__setattr__(self, "restored_from", "memory")
             return
+        # Snapshots newer than where this attempt resumes are a rolled-back future (and
+        # must not be offered to the controller as restore points again).
+        STORE.drop_after(sess.run_rel, sess.restore.index)
         ckpt = sess.get_checkpoint()
         if ckpt is None:
             return

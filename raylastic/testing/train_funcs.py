@@ -93,6 +93,8 @@ def mlp_bench(config: Dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     hidden, layers = int(config.get("hidden", 512)), int(config.get("layers", 4))
+    if config.get("hidden_per_worker"):  # a model whose shape depends on the world size
+        hidden = int(config["hidden_per_worker"]) * world
     dim, batch = int(config.get("dim", 64)), int(config.get("batch", 32))
     torch.manual_seed(0)
     mods = [nn.Linear(dim, hidden), nn.ReLU()]

@@ -75,3 +75,43 @@ def test_preemption_notice_shrinks_with_zero_lost_steps(local_cluster, restore_n
     assert resize["graceful"] and resize["lost_steps"] == 0, resize
     assert notice["nodes"] == [victim]
     assert not [e for e in events if e["kind"] == "failure"]  # no failure: a planned move
+
+
+def test_a_snapshot_that_does_not_fit_falls_back_to_storage_with_a_clear_error(
+        local_cluster, restore_nodes, run_dir, tmp_path):
+    """The train function builds a model whose width depends on the world size, so after
+    a node loss the survivors' in-memory snapshot does not fit: the controller says so
+    (checkpoint_invalid, source memory) without counting a failure and restarts the group
+    from the last committed checkpoint. That one was written at the old world size too,
+    so loading it fails: the run ends with an error naming the object that did not fit."""
+    from raylastic import FailureConfig, TrainingFailedError
+
+    cfg = {"elastic_state": True, "hidden_per_worker": 32, "layers": 2,
+           "stop_path": str(tmp_path / "never")}
+    trainer = ElasticTrainer(
+        mlp_bench, train_loop_config=cfg,
+        scaling_config=ScalingConfig(min_workers=2, max_workers=3),
+        run_config=RunConfig(name="mismatch", storage_path=run_dir, verbose=False, progress=False,
+                             failure_config=FailureConfig(max_failures=0),
+                             checkpoint_config=CheckpointConfig(persist_every=10, num_to_keep=2)),
+    )
+    th = FitThread(trainer)
+    th.start()
+    w = RunWatcher(os.path.join(run_dir, "mismatch"))
+    w.wait_for_event(EventKind.CHECKPOINT_COMMITTED, 120)
+    kill_node_at(local_cluster, w, w.last_index() + 5)
+    with pytest.raises(TrainingFailedError) as info:
+        th.wait(180)
+    events = load_events(os.path.join(run_dir, "mismatch"))
+    invalid = [e for e in events if e["kind"] == "checkpoint_invalid" and e.get("source") == "memory"]
+    assert len(invalid) == 1, [e["kind"] for e in events]
+    assert "does not fit" in invalid[0]["reason"] and "model" in invalid[0]["reason"]
+    assert invalid[0]["fallback_index"] is not None
+    after = [e for e in events if e["ts"] > invalid[0]["ts"]]
+    restored = next(e for e in after if e["kind"] == "checkpoint_restored")
+    assert restored["source"] == "storage" and restored["index"] == invalid[0]["fallback_index"]
+    text = str(info.value)
+    assert "cannot restore model" in text and "does not fit" in text, text
+    # the snapshot mismatch itself was not a failure: only the node loss and the storage load
+    kinds = [e["failure_kind"] for e in events if e["kind"] == "failure"]
+    assert kinds == ["node_lost", "error"], kinds

@@ -24,7 +24,7 @@ from raylastic.checkpoint.manager import CheckpointManager
 from raylastic.checkpoint.storage import StorageError
 from raylastic.config import RunConfig, ScalingConfig, describe
 from raylastic.errors import (
-    InsufficientCapacityError, RankFailure, TrainingAborted, TrainingFailedError,
+    InsufficientCapacityError, RankFailure, SnapshotMismatchError, TrainingAborted, TrainingFailedError,
 )
 from raylastic.events import EventKind, EventLog
 from raylastic.policies.base import Noop, Raise, Resize, Wait
@@ -97,6 +97,7 @@ class Controller:
                                             events=self._events)
         self._last_committed_seen: Optional[int] = None
         self._recoveries = 0
+        self._skip_memory_restore = False  # set when an in-memory snapshot did not fit
         self._draining: Dict[str, int] = {}
         self._draining_checked_at = 0.0
         self._tb = None
@@ -258,7 +259,8 @@ class Controller:
         snapshot holders share (others receive it from rank 0), else the last valid
         committed checkpoint in storage."""
         latest = self._ckpt.latest_valid()
-        mem = restore_from_memory_possible({m.wid: m.snapshots for m in members})
+        mem = None if self._skip_memory_restore else restore_from_memory_possible(
+            {m.wid: m.snapshots for m in members})
         if mem is not None and (latest is None or mem >= latest.index):
             return RestoreInfo(checkpoint_rel=latest.rel if latest else None, index=mem,
                                restart_count=self._restarts, memory_index=mem,
@@ -320,8 +322,9 @@ class Controller:
         ray.get([m.actor.start.remote(self._train_func, self._config, s, restore)
                  for m, s in zip(members, specs)], timeout=GROUP_TIMEOUT_S)
         self._events.emit(EventKind.TRAINING_STARTED, epoch=epoch, world_size=world)
+        self._skip_memory_restore = False  # the members drop the snapshots newer than restore.index
         return Running(epoch=epoch, members=members, started_at=time.monotonic(),
-                       restored_index=restore.index)
+                       restored_index=restore.index, memory_index=restore.memory_index)
 
     # -- Running -------------------------------------------------------------------
     def _poll(self, st: Running, members: List[WorkerHandle]):
@@ -365,6 +368,9 @@ class Controller:
                 st.finished[m.wid] = r.return_value
         if lost:
             return self._on_failure(st, lost, causes, failures)
+        if failures and st.memory_index is not None and all(
+                f.message.startswith(SnapshotMismatchError.__name__) for f in failures):
+            return self._memory_snapshot_unusable(st, failures)
         if failures:
             failed = {st.members[f.rank].wid for f in failures}
             causes = self._wait_for_dead_peer([m for m in st.members if m.wid not in failed])
@@ -401,6 +407,21 @@ class Controller:
                             target_world_size=d.world_size, started_at=time.monotonic())
         time.sleep(self._run.poll_interval_s)
         return st
+
+    def _memory_snapshot_unusable(self, st: Running, failures: List[RankFailure]) -> object:
+        """The in-memory snapshot does not fit the train function's objects: say so, and
+        restart the same members from the last committed checkpoint (not a failure)."""
+        reason = failures[0].message.split(": ", 1)[-1].splitlines()[0]
+        latest = self._ckpt.latest_valid()
+        self._events.emit(
+            EventKind.CHECKPOINT_INVALID,
+            f"in-memory snapshot {st.memory_index} is unusable ({reason}); falling back to "
+            + (f"committed checkpoint {latest.index}" if latest else "a fresh start (nothing committed)"),
+            source="memory", index=st.memory_index, epoch=st.epoch, reason=reason,
+            fallback_index=latest.index if latest else None)
+        self._skip_memory_restore = True
+        return Resizing(epoch=st.epoch, members=st.members, reason="in-memory snapshot unusable",
+                        graceful=False, target_world_size=len(st.members), started_at=time.monotonic())
 
     def _drained(self, members: List[WorkerHandle], fresh: bool = False) -> List[WorkerHandle]:
         """Members on nodes Ray is draining (a preemption notice: ``ray drain-node``, the

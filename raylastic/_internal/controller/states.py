@@ -32,6 +32,7 @@ class Running:
     members: List[WorkerHandle]
     started_at: float
     restored_index: int
+    memory_index: Optional[int] = None  # restored from this in-memory snapshot
     last_index: Dict[int, int] = field(default_factory=dict)  # wid -> last report index
     finished: Dict[int, object] = field(default_factory=dict)  # wid -> return value
     first_step_seen: bool = False
