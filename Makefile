@@ -30,8 +30,12 @@ test: $(STAMP) $(AZURITE)
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
-bench: $(STAMP)
-	$(PY) benchmarks/recovery.py
+bench: $(STAMP) $(AZURITE)
+	$(PY) benchmarks/recovery.py --hidden 1536 --layers 5
+	$(PY) benchmarks/steady_state.py
+	$(PY) benchmarks/snapshot_overhead.py
+	$(PY) benchmarks/data_overhead.py
+	$(PY) benchmarks/checkpoint_io.py
 
 clean:
 	rm -rf .venv .cache

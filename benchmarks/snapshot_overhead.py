@@ -18,7 +18,7 @@ every step); and the time the training thread itself was blocked in snapshot cod
 rest of the increase is the copy competing with training for CPU and memory bandwidth).
 
 Writes benchmarks/results/snapshot_overhead.json. Usage:
-    python benchmarks/snapshot_overhead.py [--hidden 1536 --layers 5 --blocks 6 --block-steps 15]
+    python benchmarks/snapshot_overhead.py [--hidden 1536 --layers 5 --blocks 10 --block-steps 15]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1536)
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--world", type=int, default=3)
-    ap.add_argument("--blocks", type=int, default=6)
+    ap.add_argument("--blocks", type=int, default=10)
     ap.add_argument("--block-steps", type=int, default=15)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "snapshot_overhead.json"))

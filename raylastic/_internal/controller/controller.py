@@ -43,6 +43,14 @@ UNAVAILABLE_GRACE_S = 15.0
 ERROR_CLASSIFY_GRACE_S = 5.0
 # How long survivors get to unwind their train function before being replaced.
 JOIN_TIMEOUT_S = 30.0
+# After an abort (a peer lost), a rank that is computing unwinds at its next report, within
+# about a step. One that is not back after this long is stuck in a gloo collective waiting
+# for another survivor that already gave up on it (gloo cannot abort an operation in
+# flight: measured, ProcessGroupGloo.abort() and destroy_process_group() leave it blocked
+# until the group timeout). Replacing that worker (a new process, state by broadcast) costs
+# seconds; waiting for the group timeout would cost a minute.
+ABORT_JOIN_MIN_S = 5.0
+ABORT_JOIN_STEPS = 3
 # How often to ask the GCS which nodes are draining (preemption notices).
 DRAIN_CHECK_INTERVAL_S = 0.5
 # Process-group formation timeout.
@@ -645,11 +653,13 @@ class Controller:
         """Make members' train threads exit; replace any that does not in time."""
         if not members:
             return
+        timeout_s = JOIN_TIMEOUT_S
         if not graceful:
             for m in members:
                 m.actor.abort.remote()
-        refs = {m.actor.join.remote(JOIN_TIMEOUT_S): m for m in members}
-        done, not_done = ray.wait(list(refs), num_returns=len(refs), timeout=JOIN_TIMEOUT_S + 5)
+            timeout_s = max(ABORT_JOIN_MIN_S, ABORT_JOIN_STEPS * self._step_time_s)
+        refs = {m.actor.join.remote(timeout_s): m for m in members}
+        done, not_done = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s + 5)
         for ref in done:
             try:
                 if ray.get(ref):
