@@ -23,7 +23,10 @@ def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
 
     config: total_steps, checkpoint_every (1), step_sleep_s (0), fail_at_step (None),
     fail_rank (0), dim (8), batch (16), lr (0.05), seed (0), cuda (False: train on this
-    worker's GPU, for the NCCL path).
+    worker's GPU, for the NCCL path), stuck_rank0_at (None: in the first group only, rank 0
+    waits at that step for a message rank 1 never sends, i.e. it is stuck in a gloo
+    operation that only the group timeout ends, while the others block in the next
+    all-reduce; a node loss then leaves rank 0 unable to unwind).
     """
     total = int(config.get("total_steps", 20))
     every = int(config.get("checkpoint_every", 1))
@@ -46,7 +49,10 @@ def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
         start = int(state["step"])
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     true_w = (torch.arange(dim, dtype=torch.float32).unsqueeze(1) / dim).to(device)
+    stuck_at = config.get("stuck_rank0_at")
     for step in range(start + 1, total + 1):
+        if stuck_at is not None and step == int(stuck_at) and rank == 0 and ctx.get_membership_epoch() == 1:
+            dist.recv(torch.zeros(1), src=1)
         g = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(int(config.get("batch", 16)), dim, generator=g).to(device)
         y = x @ true_w

@@ -6,6 +6,7 @@ files; every wait is bounded.
 """
 
 import os
+import time
 
 import pytest
 import ray
@@ -67,6 +68,29 @@ def test_node_loss_shrinks_then_grows_back_and_resumes(local_cluster, restore_no
     formed = [e for e in events if e["kind"] == "group_formed"]
     assert set(formed[1]["nodes"]) < set(formed[0]["nodes"])
     assert killed not in formed[2]["nodes"]
+
+
+def test_survivor_stuck_in_a_collective_is_replaced_without_waiting_for_the_timeout(
+        local_cluster, restore_nodes, run_dir):
+    """gloo cannot abort an operation in flight. Rank 0 is stuck in a receive that only
+    the group timeout (60 s) ends when the last rank's node is lost: the controller
+    replaces it after max(5 s, 3 steps) and training goes on from the last checkpoint."""
+    cfg = {"total_steps": 40, "checkpoint_every": 5, "step_sleep_s": 0.05, "stuck_rank0_at": 15}
+    trainer = _trainer(run_dir, "stuck", cfg)
+    th = FitThread(trainer)
+    th.start()
+    w = RunWatcher(os.path.join(run_dir, "stuck"))
+    killed = kill_node_at(local_cluster, w, 14)  # rank 0 is (about to be) stuck at step 15
+    t_kill = time.time()
+    result = th.wait(180)
+
+    events = load_events(result.path)
+    hung = [e for e in events if e["kind"] == "worker_lost" and e.get("cause") == "hung"]
+    assert 0 in {e["rank"] for e in hung}, [e["message"] for e in events if e["kind"] == "worker_lost"]
+    formed = [e for e in events if e["kind"] == "group_formed"]
+    assert formed[1]["world_size"] == 2 and killed not in formed[1]["nodes"]
+    assert formed[1]["ts"] - t_kill < 30, formed[1]["ts"] - t_kill  # the group timeout is 60 s
+    assert result.metrics["step"] == 40
 
 
 def test_starts_with_min_workers_when_max_is_not_available(local_cluster, run_dir):
