@@ -259,8 +259,10 @@ class NodeIntervals:
 
 
 def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> NodeIntervals:
-    """Per node and controller session: first worker_ready -> last worker_lost/released,
-    or the session's end while one of its workers is still held."""
+    """Per node and controller session: from a worker_ready on an unheld node until the
+    run holds no worker there any more (worker_lost/released), or the session's end while
+    one of its workers is still held. A node given back and used again later counts twice,
+    not for the gap in between."""
     approximated = not any(e["kind"] == "worker_ready" for e in events) and any(
         e["kind"] == "group_formed" and e.get("nodes") for e in events)
     intervals, slots, markets, nodes_of = [], defaultdict(int), {}, defaultdict(set)
@@ -292,6 +294,10 @@ def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> 
             wid = e.get("wid")
             if wid in st["held"]:
                 st["held"].discard(wid)
+                if not st["held"]:  # the run gave the node back: a later worker starts a new interval
+                    intervals.append((st["type"], st["start"], max(st["start"], ts)))
+                    del state[e["node_id"]]
+                    continue
             elif approximated or wid is None:
                 st["held"].clear()
             st["last_end"] = ts

@@ -163,6 +163,26 @@ def test_node_hours_cost_and_on_demand_baseline():
     assert r.savings_pct == pytest.approx(100 * (1 - cost / (130 * OD / 3600)))
 
 
+def test_a_spare_released_by_the_capacity_policy_ends_its_node_interval():
+    """The demo's pattern: an on-demand spare becomes ready, the capacity policy releases
+    it half a second later (worker_released), and much later a new worker lands on the
+    same node. The node is held twice briefly, not for the whole gap, and one node of
+    the type still hosts one worker at a time (the baseline's per-worker price)."""
+    e, m = spot_run()
+    # a second on-demand node: a spare ready at 3 s, released at 4 s; a worker again from 60 s
+    extra = [ready(3, "n5", "on_demand", "on_demand", wid="s5"),
+              ev(4, "worker_released", wid="s5", node_id="n5", node_type="on_demand",
+                 reason="capacity target lowered"),
+              ready(60, "n5", "on_demand", "on_demand", wid="w5"),
+              ev(96, "worker_released", wid="w5", node_id="n5")]
+    e = sorted(e + extra, key=lambda x: x["ts"])
+    r = build_report(e, m)
+    od = r.node_hours["on_demand"]
+    # n3 2->96; n5 3->4 and 60->96 (not 3->96)
+    assert od.hours == pytest.approx((94 + 1 + 36) / 3600)
+    assert r.on_demand_cost_usd == pytest.approx(130 * OD / 3600)  # one worker per node
+
+
 def test_goodput_counts_only_kept_step_time():
     r = build_report(*spot_run())
     assert r.steps == {"final_index": 50, "kept": 50, "reported": 54, "retrained": 4, "lost": 4}

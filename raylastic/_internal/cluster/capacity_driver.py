@@ -49,7 +49,7 @@ class CapacityDriver:
             self._events.emit(EventKind.PRICE_TABLE, usd_per_hour=prices.get("usd_per_hour", prices),
                               markets=markets, on_demand_type=on_demand[0] if on_demand else None,
                               source=prices.get("source", "CapacityPolicy.prices"))
-        self._pool.set_targets({}, protect=[])
+        self._pool.set_targets({}, protect=[])  # nothing is ready yet: nothing to report
 
     def tick(self, members: List, draining: Dict[str, int], at_boundary: bool,
              protect: Optional[List] = None) -> Optional[MigrateToSpot]:
@@ -90,7 +90,10 @@ class CapacityDriver:
         except Exception as e:  # noqa: BLE001 - no autoscaler (a static cluster): pools still work
             logger.info("request_resources failed (%s); relying on pending actors", e)
         self.requested = dict(counts)
-        self._pool.set_targets(dict(counts), protect=members)
+        for h in self._pool.set_targets(dict(counts), protect=members):
+            # the report's node-hours end a node's interval at this event
+            self._events.emit(EventKind.WORKER_RELEASED, wid=h.wid, node_id=h.node_id,
+                              node_type=h.node_type, reason="capacity target lowered")
 
     def release(self) -> None:
         """The run ended: drop the standing request so the autoscaler can scale down."""

@@ -57,17 +57,23 @@ class WorkerPool:
         # policy). A capacity policy replaces it with e.g. {"spot": 3, "on_demand": 1}.
         self.targets: Dict[Optional[str], int] = {None: target}
 
-    def set_targets(self, targets: Dict[Optional[str], int], protect: List[WorkerHandle]) -> None:
+    def set_targets(self, targets: Dict[Optional[str], int],
+                    protect: List[WorkerHandle]) -> List[WorkerHandle]:
         """Change how many workers of each node type to keep; surplus pending actors go
-        first, then idle ready ones. Members of the running group (``protect``) stay."""
+        first, then idle ready ones. Members of the running group (``protect``) stay.
+        Returns the *ready* workers removed (their node slots are given back)."""
         self.targets = dict(targets)
         keep = {h.wid for h in protect}
+        released: List[WorkerHandle] = []
         for t in {h.node_type for h in self.workers.values()}:
             surplus = self.count(t) - self.targets.get(t, 0)
             victims = sorted((h for h in self.workers.values() if h.node_type == t and h.wid not in keep),
                              key=lambda h: (h.ready, -h.wid))
             for h in victims[:max(0, surplus)]:
+                if h.ready:
+                    released.append(h)
                 self.remove(h, kill=True)
+        return released
 
     def count(self, node_type: Optional[str], ready_only: bool = False) -> int:
         return sum(1 for h in self.workers.values()
