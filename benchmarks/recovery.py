@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -235,9 +234,9 @@ def _ddp_worker(rank: int, world: int, port: int, cfg: Dict[str, Any], steps: in
 def run_plain_ddp(cfg: Dict[str, Any], world: int = 3, steps: int = 200) -> Dict[str, Any]:
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from raylastic.testing.ports import free_port
+
+    port = free_port()
     out = tempfile.mktemp(suffix=".json")
     mp.spawn(_ddp_worker, args=(world, port, cfg, steps, out), nprocs=world, join=True)
     times = json.load(open(out))[20:]

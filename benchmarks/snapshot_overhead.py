@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -37,7 +36,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from raylastic._internal.snapshot_copy import StateCopier
+    from raylastic._internal.snapshot_copy import StateCopier, nbytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -76,27 +75,16 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
             step += 1
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        snap_bytes = sum(t.numel() * t.element_size() for t in _flatten(buffers[0]))
+        snap_bytes = nbytes(buffers[0])
         with open(out, "w") as fh:
             json.dump({"times": times, "blocked": blocked, "params": n_params, "snapshot_bytes": snap_bytes}, fh)
     dist.destroy_process_group()
 
 
-def _flatten(obj):
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _flatten(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _flatten(v)
-
-
 def main() -> None:
     import torch.multiprocessing as mp
+
+    from raylastic.testing.ports import free_port
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=1536)
@@ -107,9 +95,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "snapshot_overhead.json"))
     a = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     tmp = tempfile.mktemp(suffix=".json")
     args = {"hidden": a.hidden, "layers": a.layers, "blocks": a.blocks, "block_steps": a.block_steps}
     mp.spawn(_worker, args=(a.world, port, args, tmp), nprocs=a.world, join=True)

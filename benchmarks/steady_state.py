@@ -34,15 +34,16 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from recovery import RESULTS, _ddp_worker, _read_log  # noqa: E402
+
+from raylastic.testing.ports import free_port  # noqa: E402
 
 CONDITIONS = ("plain_ddp", "plain_ddp_ray", "raylastic", "raylastic_state")
 
@@ -55,16 +56,20 @@ def _median_step(rows: List[Dict[str, Any]], warmup: int) -> float:
     return statistics.median(dts)
 
 
+def _run_ddp(launch: Callable[[int, str], None], warmup: int) -> float:
+    """``launch(port, out)`` runs 3 ranks of ``recovery._ddp_worker``; rank 0 logs to
+    ``out + ".steps-0"``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        launch(free_port(), out)
+        return _median_step(_read_log(out + ".steps-0"), warmup)
+
+
 def run_plain_ddp(model: Dict[str, Any], steps: int, warmup: int) -> float:
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.json")
-        mp.spawn(_ddp_worker, args=(3, port, model, steps, out), nprocs=3, join=True)
-        return _median_step(_read_log(out + ".steps-0"), warmup)
+    return _run_ddp(lambda port, out: mp.spawn(_ddp_worker, args=(3, port, model, steps, out),
+                                               nprocs=3, join=True), warmup)
 
 
 def run_plain_ddp_in_ray_actors(model: Dict[str, Any], steps: int, warmup: int) -> float:
@@ -83,13 +88,8 @@ def run_plain_ddp_in_ray_actors(model: Dict[str, Any], steps: int, warmup: int) 
     def rank_main(rank: int, port: int, out: str) -> None:
         recovery._ddp_worker(rank, 3, port, model, steps, out)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.json")
-        ray.get([rank_main.remote(r, port, out) for r in range(3)], timeout=600)
-        return _median_step(_read_log(out + ".steps-0"), warmup)
+    return _run_ddp(lambda port, out: ray.get([rank_main.remote(r, port, out) for r in range(3)],
+                                              timeout=600), warmup)
 
 
 def run_raylastic(model: Dict[str, Any], steps: int, warmup: int, elastic_state: bool) -> float:
