@@ -65,6 +65,10 @@ class Snapshot:
     nbytes: int = 0
     pins: int = 0  # a background writer is reading the tensors: do not recycle
 
+    def save(self, directory: str) -> None:
+        """Write the restorable part (what ``ElasticState`` reads back from storage)."""
+        torch.save({"plain": self.plain, "tensors": self.tensors}, os.path.join(directory, STATE_FILE))
+
 
 class SnapshotStore:
     """Process-wide: snapshots outlive a train function that was unwound for a resize."""
@@ -290,7 +294,7 @@ class ElasticState:
                 snap.done.wait()
                 if snap.error is not None:
                     raise RuntimeError(f"snapshot {snap.index} was not copied: {snap.error}")
-                torch.save({"plain": snap.plain, "tensors": snap.tensors}, os.path.join(directory, STATE_FILE))
+                snap.save(directory)
             finally:
                 snap.pins -= 1
 

@@ -163,11 +163,8 @@ class TrainWorker:
         going away and no other worker holds the state). Returns where and what."""
         import tempfile
 
-        import torch
-
         from raylastic.checkpoint.uploader import checksum_tree
         from raylastic.session import checkpoint_rel
-        from raylastic.state import STATE_FILE
 
         snap = STORE.get(self._run_rel, index)
         if snap is None:
@@ -175,7 +172,7 @@ class TrainWorker:
         rel = checkpoint_rel(self._run_rel, index, epoch)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as d:
-            torch.save({"plain": snap.plain, "tensors": snap.tensors}, os.path.join(d, STATE_FILE))
+            snap.save(d)
             files = [list(f) for f in checksum_tree(d)]
             self._storage.upload_dir(d, rel)
         return {"rel": rel, "files": files, "upload_s": time.perf_counter() - start}
