@@ -130,7 +130,20 @@ def run_schedule(cluster, fit: Callable[[], Any], log_path: str, stop_path: str,
         "steady_step_s": round(statistics.median(dts), 5) if dts else None,
         "world_sizes_seen": _runs([r["world"] for r in rows]),
         "total_steps_logged": len(rows),
+        **_restores(box.get("result")),
     }
+
+
+def _restores(result: Any) -> Dict[str, Any]:
+    """raylastic only: where each re-formed group got its state (its event log)."""
+    path = getattr(result, "path", None)
+    if not path or not os.path.exists(os.path.join(path, "events.jsonl")):
+        return {}
+    from raylastic.events import load_events
+
+    keys = ("index", "source", "broadcast", "striped")
+    return {"restores": [{k: e[k] for k in keys if k in e}
+                         for e in load_events(path) if e["kind"] == "checkpoint_restored"]}
 
 
 def _redone(rows: List[Dict[str, Any]], first_of_group: Dict[str, Any]) -> int:

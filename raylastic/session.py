@@ -17,7 +17,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ray.train import Checkpoint
 
@@ -46,6 +46,9 @@ class GroupSpec:
     master_port: int
     backend: str
     timeout_s: float = 60.0
+    # Shards of the replicated training state this rank copies into its ElasticState
+    # snapshots (``_internal/stripes.py``), out of ``world_size``; empty: all of it.
+    stripe: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class RestoreInfo:
     index: int = 0  # report index training resumes after
     restart_count: int = 0
     memory_index: Optional[int] = None  # restore ElasticState from this in-memory snapshot
-    broadcast: bool = False  # some ranks lack that snapshot: rank 0 sends it
+    broadcast: bool = False  # some ranks lack (part of) that snapshot: holders send it
 
 
 @dataclass
@@ -245,6 +248,12 @@ class Session:
                 return False
             self._stop_at = index if self._stop_at is None else min(self._stop_at, index)
             return True
+
+    @property
+    def stop_requested(self) -> bool:
+        """The controller asked this attempt to stop at a coming report (a resize)."""
+        with self._lock:
+            return self._stop_at is not None
 
     def abort(self) -> None:
         self._abort.set()

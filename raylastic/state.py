@@ -10,17 +10,21 @@ plain attributes such as ``step``) and call :meth:`ElasticState.commit` once per
         state.commit({"loss": loss.item()})     # snapshot + report (+ persist every N steps)
 
 Constructing the state restores into the given objects, in order of preference:
-1. the newest snapshot every surviving worker holds in host memory (a resize or a
-   failure: no storage read; workers that joined receive it from rank 0 over the new
-   process group);
-2. the latest committed checkpoint in storage (a fresh cluster, or both copies lost);
+1. the newest snapshot the surviving workers hold in host memory (a resize or a
+   failure: no storage read; shards some member lacks, and everything for workers that
+   joined, are broadcast from a holder over the new process group);
+2. the latest committed checkpoint in storage (a fresh cluster, or a node lost together
+   with the node holding the second copy of its shard);
 3. nothing (a fresh start).
 
 Why peer memory works for data parallel training: under DDP every rank holds the same
-model and optimizer state, so each rank's own snapshot is a full replica; losing any one
-node leaves complete copies on the others. Per-rank state (RNG) comes back from the
-rank's own snapshot when the rank survived. Sharded state (FSDP, ZeRO) has no such
-replicas: use storage checkpoints for it.
+model and optimizer state, so the group's snapshots are replicas of one state. With 3 or
+more workers (``striped=True``, the default) each rank copies only its stripe: 2 of W
+shards, placed so that every shard has copies on two nodes (``_internal/stripes.py``).
+Losing any one node leaves every shard on a survivor; each rank copies and holds 2/W of
+the state per step instead of all of it. Per-rank state (RNG) comes back from the rank's
+own snapshot when the rank survived. Sharded state (FSDP, ZeRO) has no such replicas:
+use storage checkpoints for it.
 
 Cost: ``commit()`` copies the state into host buffers recycled from the snapshot before
 last (no allocation, no page faults). By default (``async_snapshot=True``, an optimizer
@@ -29,9 +33,12 @@ a side stream into pinned memory) while the next step's forward and backward run
 optimizer's next ``step()`` waits for it (see ``_internal/snapshot_copy.py``). Contract:
 between ``commit()`` and the next ``optimizer.step()``, do not change parameters in place
 other than through the optimizer (or pass ``async_snapshot=False``).
-Serialising and uploading a persisted snapshot happen in a background thread.
-Memory: two snapshots per worker, double-buffered (a commit copies into the buffers of
-the older one), plus one more while a persisted snapshot is being written to storage.
+Serialising and uploading a persisted snapshot happen in a background thread; rank 0
+copies the whole state for a snapshot it persists, and every rank does once the group
+is asked to stop (a resize or a drain: whichever ranks leave, the rest hold it all).
+Memory: two snapshots per worker (2/W of the state each when striped), double-buffered
+(a commit copies into the buffers of the older one), plus one more while a persisted
+snapshot is being written to storage.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import os
 import random
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +56,7 @@ import torch.distributed as dist
 from raylastic import session as _session
 from raylastic.errors import SnapshotMismatchError
 from raylastic._internal.snapshot_copy import StateCopier, clone_to_cpu, nbytes
+from raylastic._internal.stripes import Holding, assemble, covered, leaves, map_leaves
 
 STATE_FILE = "elastic_state.pt"
 
@@ -64,9 +72,15 @@ class Snapshot:
     error: Optional[BaseException] = None
     nbytes: int = 0
     pins: int = 0  # a background writer is reading the tensors: do not recycle
+    # (nshards, shards) this copy holds of the replicated state (the rest are meta
+    # placeholders, see ``_internal/stripes.py``); None: a full copy.
+    holding: Holding = None
 
     def save(self, directory: str) -> None:
         """Write the restorable part (what ``ElasticState`` reads back from storage)."""
+        if self.holding is not None:
+            raise RuntimeError(f"snapshot {self.index} holds only shards {self.holding[1]} of "
+                               f"{self.holding[0]}: assemble it before writing it to storage")
         torch.save({"plain": self.plain, "tensors": self.tensors}, os.path.join(directory, STATE_FILE))
 
 
@@ -105,6 +119,36 @@ class SnapshotStore:
             if self.run != run:
                 return []
             return [s.index for s in self._snaps if s.complete.is_set()]
+
+    def stripes(self, run: str) -> Dict[int, Tuple[int, Tuple[int, ...]]]:
+        """Complete snapshots that hold only some shards: index -> (nshards, shards)."""
+        with self._lock:
+            if self.run != run:
+                return {}
+            return {s.index: s.holding for s in self._snaps if s.complete.is_set() and s.holding is not None}
+
+    def merge(self, run: str, index: int, holding: Holding, tensors: Dict[int, torch.Tensor]) -> Holding:
+        """Fill snapshot ``index``'s placeholders with another copy's tensors (by leaf
+        position); returns what it holds now (None: all of it)."""
+        with self._lock:
+            snap = next((s for s in self._snaps if self.run == run and s.index == index
+                         and s.complete.is_set()), None)
+            if snap is None:
+                raise RuntimeError(f"no complete in-memory snapshot {index} to merge into")
+            snap.tensors = map_leaves(snap.tensors, lambda j, t: tensors[j] if t.is_meta and j in tensors else t)
+            if not any(t.is_meta for t in leaves(snap.tensors)):
+                snap.holding = None
+            elif snap.holding is not None and holding is not None:
+                snap.holding = (snap.holding[0], tuple(sorted(set(snap.holding[1]) | set(holding[1]))))
+            snap.nbytes = nbytes(snap.tensors)
+            return snap.holding
+
+    def replace(self, run: str, snap: Snapshot) -> None:
+        """Put ``snap`` in place of the snapshot with its index (an assembled full copy
+        replacing a stripe)."""
+        with self._lock:
+            if self.run == run:
+                self._snaps = [snap if s.index == snap.index else s for s in self._snaps]
 
     def get(self, run: str, index: int) -> Optional[Snapshot]:
         with self._lock:
@@ -145,17 +189,20 @@ class ElasticState:
     def __init__(self, *, model: Optional[torch.nn.Module] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler: Any = None,
                  loader: Any = None, persist_every: Optional[int] = None, snapshot_every: int = 1,
-                 async_snapshot: bool = True, **attrs: Any):
+                 async_snapshot: bool = True, striped: bool = True, **attrs: Any):
         if not isinstance(snapshot_every, int) or snapshot_every < 1:
             raise ValueError(f"ElasticState(snapshot_every={snapshot_every!r}) must be an int >= 1")
         if not isinstance(async_snapshot, bool):
             raise ValueError(f"ElasticState(async_snapshot={async_snapshot!r}) must be True or False")
+        if not isinstance(striped, bool):
+            raise ValueError(f"ElasticState(striped={striped!r}) must be True or False")
         object.__setattr__(self, "_objs", {k: v for k, v in {
             "model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "loader": loader,
         }.items() if v is not None})
         object.__setattr__(self, "_attrs", dict(attrs))
         object.__setattr__(self, "_persist_every", persist_every)
         object.__setattr__(self, "_snapshot_every", snapshot_every)
+        object.__setattr__(self, "_striped", striped)
         object.__setattr__(self, "restored_from", "none")
         sess = _session._get_session()
         object.__setattr__(self, "_sess", sess)
@@ -184,11 +231,11 @@ class ElasticState:
         if mem is not None:
             snap = STORE.get(sess.run_rel, mem)
             if sess.restore.broadcast and dist.is_initialized() and dist.get_world_size() > 1:
-                snap = self._broadcast(snap)
-            if snap is None:
+                snap = self._assemble(mem, snap)
+            if snap is None or snap.holding is not None:
                 raise RuntimeError(
                     f"rank {sess.spec.rank}: the in-memory snapshot {mem} the controller chose "
-                    "is not here (and no broadcast was planned)")
+                    "is not here in full (and no broadcast was planned)")
             STORE.drop_after(sess.run_rel, mem)
             try:
                 self._load(snap.plain, snap.tensors, snap.rng)
@@ -211,19 +258,19 @@ class ElasticState:
         self._load(blob["plain"], blob["tensors"], {})
         object.__setattr__(self, "restored_from", "storage")
 
-    def _broadcast(self, snap: Optional[Snapshot]) -> Optional[Snapshot]:
-        """Rank 0 (a survivor: survivors keep the lowest ranks) sends its snapshot to all."""
-        box = [None]
-        if dist.get_rank() == 0:
-            assert snap is not None, "rank 0 must hold the snapshot it broadcasts"
-            box = [{"index": snap.index, "plain": snap.plain, "tensors": snap.tensors}]
-        dist.broadcast_object_list(box, src=0)
+    def _assemble(self, index: int, snap: Optional[Snapshot]) -> Snapshot:
+        """Every rank gets all of snapshot ``index``: shards (or all of it) that some
+        rank lacks are broadcast from a holder. Workers that joined hold nothing; they
+        keep their own RNG streams. The full copy replaces this rank's stripe."""
+        tensors, plain = assemble(index, snap.tensors if snap else None, snap.plain if snap else None,
+                                  snap.holding if snap else None)
+        full = Snapshot(index=index, plain=plain, tensors=tensors, rng=snap.rng if snap else {})
+        full.nbytes = nbytes(tensors)
+        full.complete.set()
+        full.done.set()
         if snap is not None:
-            return snap
-        got = box[0]
-        s = Snapshot(index=got["index"], plain=got["plain"], tensors=got["tensors"])
-        s.complete.set()
-        return s
+            STORE.replace(self._sess.run_rel, full)
+        return full
 
     def _load(self, plain: Dict[str, Any], tensors: Dict[str, Any], rng: Dict[str, Any]) -> None:
         want = set(self._objs) & set(self._TENSOR_OBJECTS)
@@ -269,6 +316,7 @@ class ElasticState:
         snap = Snapshot(index=index, plain=plain,
                         rng={"torch": torch.get_rng_state(), "python": random.getstate()})
         old = STORE.recycle(sess.run_rel)
+        holding = self._holding(persist)
 
         def finished(error: Optional[BaseException]) -> None:
             snap.error = error
@@ -276,13 +324,24 @@ class ElasticState:
                 snap.complete.set()
             snap.done.set()
 
-        snap.tensors, start = self._copier.copy(old.tensors if old is not None else None, finished)
+        snap.holding = holding
+        snap.tensors, start = self._copier.copy(old.tensors if old is not None else None, finished, holding)
         snap.nbytes = nbytes(snap.tensors)
         STORE.add(sess.run_rel, snap)  # listed as complete only once finished()
         start()
         writer = self._writer(snap) if persist and sess.spec.rank == 0 else None
         sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), writer,
                              persist=persist)
+
+    def _holding(self, persist: bool) -> Holding:
+        """This commit's share of the state: the rank's stripe, or all of it when rank 0
+        writes this snapshot to storage, or when the group is stopping (a drain or a
+        resize: a full copy on every rank, whichever ranks leave)."""
+        sess = self._sess
+        if not self._striped or not sess.spec.stripe or (persist and sess.spec.rank == 0) \
+                or sess.stop_requested:
+            return None
+        return (sess.spec.world_size, tuple(sess.spec.stripe))
 
     @staticmethod
     def _writer(snap: Snapshot):
@@ -305,13 +364,21 @@ class ElasticState:
         return STORE.nbytes()
 
 
-def restore_from_memory_possible(indices_per_member: Dict[int, List[int]]) -> Optional[int]:
-    """The newest snapshot index every member that holds snapshots has (pure)."""
-    sets = [set(v) for v in indices_per_member.values() if v]
-    if not sets:
+def restore_from_memory_possible(
+        indices_per_member: Dict[int, List[int]],
+        stripes_per_member: Optional[Dict[int, Dict[int, Tuple[int, Tuple[int, ...]]]]] = None,
+) -> Optional[int]:
+    """The newest snapshot index every member that holds snapshots has and whose
+    shards those members together cover (pure). ``stripes_per_member``: member ->
+    index -> (nshards, shards) for striped copies; an index not listed is a full copy."""
+    stripes_per_member = stripes_per_member or {}
+    holders = {m: set(v) for m, v in indices_per_member.items() if v}
+    if not holders:
         return None
-    common = set.intersection(*sets)
-    return max(common) if common else None
+    for index in sorted(set.intersection(*holders.values()), reverse=True):
+        if covered([stripes_per_member.get(m, {}).get(index, (0, ())) for m in holders]):
+            return index
+    return None
 
 
 __all__ = ["ElasticState", "SnapshotStore", "STORE", "STATE_FILE", "restore_from_memory_possible"]

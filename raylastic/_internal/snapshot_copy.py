@@ -26,12 +26,15 @@ from typing import Any, Callable, List, Optional, Set, Tuple
 
 import torch
 
+from raylastic._internal.stripes import Holding, keep_mask
+
 Pair = Tuple[torch.Tensor, torch.Tensor]  # (host destination, live source)
 
 
 def nbytes(obj: Any) -> int:
+    """Host bytes held (``meta`` placeholders of a striped snapshot hold none)."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        return 0 if obj.is_meta else obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(nbytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
@@ -58,11 +61,18 @@ def _host_buffer(dst: Any, src: torch.Tensor) -> torch.Tensor:
     return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
 
 
-def plan_copy(dst: Any, src: Any, defer: Callable[[torch.Tensor], bool], pending: List[Pair]) -> Any:
+def plan_copy(dst: Any, src: Any, defer: Callable[[torch.Tensor], bool], pending: List[Pair],
+              keep: Callable[[torch.Tensor], bool] = lambda _t: True) -> Any:
     """Mirror the state dict ``src`` in host buffers (reusing ``dst``'s where shapes
     match). Tensors for which ``defer(t)`` is true are only *planned*: their
-    (buffer, source) pair goes to ``pending`` for a later copy; the rest are copied now."""
+    (buffer, source) pair goes to ``pending`` for a later copy; the rest are copied now.
+    Tensors ``keep`` rejects (another rank's stripe, called once per tensor in traversal
+    order) become ``meta`` placeholders: shape and dtype, no memory, no copy."""
     if isinstance(src, torch.Tensor):
+        if not keep(src):
+            if isinstance(dst, torch.Tensor) and dst.is_meta and dst.shape == src.shape and dst.dtype == src.dtype:
+                return dst
+            return torch.empty(src.shape, dtype=src.dtype, device="meta")
         out = _host_buffer(dst, src)
         if defer(src):
             pending.append((out, src.detach()))
@@ -71,10 +81,10 @@ def plan_copy(dst: Any, src: Any, defer: Callable[[torch.Tensor], bool], pending
         return out
     if isinstance(src, dict):
         dst = dst if isinstance(dst, dict) else {}
-        return {k: plan_copy(dst.get(k), v, defer, pending) for k, v in src.items()}
+        return {k: plan_copy(dst.get(k), v, defer, pending, keep) for k, v in src.items()}
     if isinstance(src, (list, tuple)):
         dst = dst if isinstance(dst, (list, tuple)) and len(dst) == len(src) else [None] * len(src)
-        return type(src)(plan_copy(d, v, defer, pending) for d, v in zip(dst, src))
+        return type(src)(plan_copy(d, v, defer, pending, keep) for d, v in zip(dst, src))
     return copy.deepcopy(src)
 
 
@@ -193,12 +203,13 @@ class StateCopier:
             finally:
                 self.blocked_s += time.perf_counter() - t0
 
-    def copy(self, old: Optional[dict],
-             on_done: Callable[[Optional[BaseException]], None]) -> Tuple[dict, Callable[[], None]]:
+    def copy(self, old: Optional[dict], on_done: Callable[[Optional[BaseException]], None],
+             holding: Holding = None) -> Tuple[dict, Callable[[], None]]:
         """Host buffers for the state dicts (``old``'s where they fit) and a ``start``
         function. Call ``start()`` once the buffers are stored where readers will look:
         ``on_done(error)`` runs when every byte is copied (maybe at once, maybe later in
-        the copy thread)."""
+        the copy thread). ``holding`` (nshards, shards): copy only those shards of the
+        state (see ``_internal/stripes.py``); None: everything."""
         self.wait()
         t0 = time.perf_counter()
         old = old or {}
@@ -208,7 +219,14 @@ class StateCopier:
             "optimizer": lambda t: self.overlap,
         }
         pending: List[Pair] = []
-        tensors = {k: plan_copy(old.get(k), o.state_dict(), defer[k], pending) for k, o in self._objs.items()}
+        sds = {k: o.state_dict() for k, o in self._objs.items()}
+        mask = keep_mask(sds, holding)
+        flags = iter(mask) if mask is not None else None
+
+        def keep(_t: torch.Tensor) -> bool:
+            return next(flags) if flags is not None else True
+
+        tensors = {k: plan_copy(old.get(k), sd, defer[k], pending, keep) for k, sd in sds.items()}
         self.blocked_s += time.perf_counter() - t0
         if not pending:
             return tensors, lambda: on_done(None)

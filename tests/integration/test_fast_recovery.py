@@ -14,14 +14,18 @@ from raylastic.testing.train_funcs import mlp_bench
 pytestmark = pytest.mark.timeout(300)
 
 
-def _start(run_dir, name, tmp_path):
+def _start(run_dir, name, tmp_path, min_workers=2, persist_every=50, max_failures=0, **cfg_extra):
+    """mlp_bench with ElasticState on 2-3 workers; touch the returned path to stop it."""
+    from raylastic import FailureConfig
+
     stop = tmp_path / f"stop-{name}"
-    cfg = {"elastic_state": True, "hidden": 256, "layers": 3, "stop_path": str(stop)}
+    cfg = {"elastic_state": True, "hidden": 256, "layers": 3, "stop_path": str(stop), **cfg_extra}
     trainer = ElasticTrainer(
         mlp_bench, train_loop_config=cfg,
-        scaling_config=ScalingConfig(min_workers=2, max_workers=3),
+        scaling_config=ScalingConfig(min_workers=min_workers, max_workers=3),
         run_config=RunConfig(name=name, storage_path=run_dir, verbose=False, progress=False,
-                             checkpoint_config=CheckpointConfig(persist_every=50, num_to_keep=2)),
+                             failure_config=FailureConfig(max_failures=max_failures),
+                             checkpoint_config=CheckpointConfig(persist_every=persist_every, num_to_keep=2)),
     )
     th = FitThread(trainer)
     th.start()
@@ -42,6 +46,8 @@ def test_node_loss_restores_from_peer_memory_and_new_worker_gets_state(local_clu
     events = load_events(result.path)
     restored = [e for e in events if e["kind"] == "checkpoint_restored"]
     assert [e["source"] for e in restored] == ["memory", "memory"]
+    # 3 workers: each held 2 of the 3 shards; the 2 survivors' shards made the whole state
+    assert restored[0]["striped"] is True and restored[0]["broadcast"] is True
     assert restored[1]["broadcast"] is True  # the new worker received the state from rank 0
     loss_resize = next(e for e in events if e["kind"] == "resize" and not e["graceful"])
     assert loss_resize["lost_steps"] <= 1, loss_resize
@@ -84,20 +90,9 @@ def test_a_snapshot_that_does_not_fit_falls_back_to_storage_with_a_clear_error(
     (checkpoint_invalid, source memory) without counting a failure and restarts the group
     from the last committed checkpoint. That one was written at the old world size too,
     so loading it fails: the run ends with an error naming the object that did not fit."""
-    from raylastic import FailureConfig, TrainingFailedError
+    from raylastic import TrainingFailedError
 
-    cfg = {"elastic_state": True, "hidden_per_worker": 32, "layers": 2,
-           "stop_path": str(tmp_path / "never")}
-    trainer = ElasticTrainer(
-        mlp_bench, train_loop_config=cfg,
-        scaling_config=ScalingConfig(min_workers=2, max_workers=3),
-        run_config=RunConfig(name="mismatch", storage_path=run_dir, verbose=False, progress=False,
-                             failure_config=FailureConfig(max_failures=0),
-                             checkpoint_config=CheckpointConfig(persist_every=10, num_to_keep=2)),
-    )
-    th = FitThread(trainer)
-    th.start()
-    w = RunWatcher(os.path.join(run_dir, "mismatch"))
+    th, w, _stop = _start(run_dir, "mismatch", tmp_path, persist_every=10, hidden_per_worker=32, layers=2)
     w.wait_for_event(EventKind.CHECKPOINT_COMMITTED, 120)
     kill_node_at(local_cluster, w, w.last_index() + 5)
     with pytest.raises(TrainingFailedError) as info:
@@ -115,3 +110,29 @@ def test_a_snapshot_that_does_not_fit_falls_back_to_storage_with_a_clear_error(
     # the snapshot mismatch itself was not a failure: only the node loss and the storage load
     kinds = [e["failure_kind"] for e in events if e["kind"] == "failure"]
     assert kinds == ["node_lost", "error"], kinds
+
+
+def test_losing_a_worker_and_its_snapshot_peer_falls_back_to_storage_and_says_so(
+        local_cluster, restore_nodes, run_dir, tmp_path):
+    """With 3 workers each holds 2 of the 3 shards of every snapshot (striped
+    replication). Killing two at once leaves one stripe: not the whole state. The group
+    restores from the last persisted checkpoint and the event log says why."""
+    from raylastic.testing.faults import kill_worker_process
+
+    th, w, stop = _start(run_dir, "peers", tmp_path, min_workers=1, persist_every=20, max_failures=2)
+    w.wait_for_event(EventKind.CHECKPOINT_COMMITTED, 120)
+    w.wait_for_index(w.last_index() + 5, 60)
+    group = w.current_group()
+    assert group["world_size"] == 3
+    for pid in group["pids"][1:]:
+        kill_worker_process(pid)
+    decision = w.wait_for_event(EventKind.DECISION, 90,
+                                where=lambda e: e.get("decision") == "memory_restore_impossible")
+    w.wait_for_event(EventKind.FIRST_STEP, 60, where=lambda e: e["ts"] > decision["ts"])
+    stop.touch()
+    result = th.wait(120)
+    events = load_events(result.path)
+    assert "do not cover the state" in decision["message"], decision
+    restored = next(e for e in events if e["kind"] == "checkpoint_restored" and e["ts"] > decision["ts"])
+    assert restored["source"] == "storage" and restored["index"] == decision["fallback_index"]
+    assert [len(s) for s in group["stripes"]] == [2, 2, 2], group  # each held 2 of 3 shards

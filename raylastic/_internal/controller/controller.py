@@ -32,6 +32,7 @@ from raylastic.policies.failure import FailureCounts, FailureKind, FailurePolicy
 from raylastic.policies.scaling import ElasticScalingPolicy, ScalingSnapshot
 from raylastic.session import GroupSpec, RestoreInfo
 from raylastic.state import restore_from_memory_possible
+from raylastic._internal.stripes import covered, plan_stripes
 
 logger = logging.getLogger("raylastic")
 
@@ -264,15 +265,15 @@ class Controller:
 
     def _plan_restore(self, members: List[WorkerHandle]) -> RestoreInfo:
         """Newest state every member can get: an in-memory ElasticState snapshot all
-        snapshot holders share (others receive it from rank 0), else the last valid
-        committed checkpoint in storage."""
+        snapshot holders share and whose shards they cover together (holders send what
+        others lack), else the last valid committed checkpoint in storage."""
         latest = self._ckpt.latest_valid()
         mem = None if self._skip_memory_restore else restore_from_memory_possible(
-            {m.wid: m.snapshots for m in members})
+            {m.wid: m.snapshots for m in members}, {m.wid: m.stripes for m in members})
         if mem is not None and (latest is None or mem >= latest.index):
             return RestoreInfo(checkpoint_rel=latest.rel if latest else None, index=mem,
                                restart_count=self._restarts, memory_index=mem,
-                               broadcast=any(mem not in m.snapshots for m in members))
+                               broadcast=any(mem not in m.snapshots or mem in m.stripes for m in members))
         return RestoreInfo(checkpoint_rel=latest.rel if latest else None,
                            index=latest.index if latest else 0, restart_count=self._restarts)
 
@@ -288,11 +289,12 @@ class Controller:
         try:
             addr = ray.get(members[0].actor.host_store.remote(world, GROUP_TIMEOUT_S), timeout=GROUP_TIMEOUT_S)
             node_ranks, local = _local_ranks(members)
+            stripes = plan_stripes([m.node_id for m in members])  # used by ElasticState(striped=True)
             specs = [
                 GroupSpec(epoch=epoch, rank=r, world_size=world, local_rank=local[m.wid][0],
                           local_world_size=local[m.wid][1], node_rank=node_ranks[m.node_id],
                           master_addr=addr["addr"], master_port=addr["port"], backend=backend,
-                          timeout_s=GROUP_TIMEOUT_S)
+                          timeout_s=GROUP_TIMEOUT_S, stripe=stripes[r] if stripes else ())
                 for r, m in enumerate(members)
             ]
             ray.get([m.actor.setup_group.remote(s) for m, s in zip(members, specs)], timeout=GROUP_TIMEOUT_S + 10)
@@ -320,13 +322,17 @@ class Controller:
             nodes=[m.node_id for m in members], pids=[m.info.get("pid") for m in members],
             restore_index=restore.index,
             restore_path=restore.checkpoint_rel,
+            stripes=[list(s) for s in stripes] if stripes else None,
         )
         if restore.memory_index is not None:
             self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=restore.index,
-                              source="memory", broadcast=restore.broadcast)
-        elif latest:
-            self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=latest.index,
-                              path=latest.rel, source="storage")
+                              source="memory", broadcast=restore.broadcast,
+                              striped=any(restore.index in m.stripes for m in members))
+        else:
+            self._say_why_not_memory(members, latest)
+            if latest:
+                self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=latest.index,
+                                  path=latest.rel, source="storage")
         ray.get([m.actor.start.remote(self._train_func, self._config, s, restore)
                  for m, s in zip(members, specs)], timeout=GROUP_TIMEOUT_S)
         self._events.emit(EventKind.TRAINING_STARTED, epoch=epoch, world_size=world)
@@ -449,6 +455,7 @@ class Controller:
     def _ingest(self, st: Running, m: WorkerHandle, r: PollResult) -> None:
         st.last_index[m.wid] = max(st.last_index.get(m.wid, 0), r.index)
         m.snapshots = list(r.snapshots)
+        m.stripes = dict(r.stripes)
         if not r.records:
             return
         self._ckpt.on_records(r.records)
@@ -612,22 +619,72 @@ class Controller:
         deadlines = [d / 1000.0 for d in deadlines if d]
         return min(deadlines) - time.time() if deadlines else float("inf")
 
-    def _evacuate_state(self, st: Resizing, index: int) -> None:
-        """Every holder of the newest in-memory snapshot is leaving (all members were on
-        draining nodes): write it to storage from one of them before they go, so the
-        next group loses nothing."""
-        staying = [m for m in st.members if m not in st.leaving]
-        holders = [m for m in st.leaving if index in m.snapshots]
-        if not st.leaving or not holders or any(index in m.snapshots for m in staying):
+    def _say_why_not_memory(self, members: List[WorkerHandle], latest) -> None:
+        """Members held in-memory snapshots, yet the group restores from storage: say why
+        in the event log (a node and its snapshot peer lost, or no shared snapshot)."""
+        holders = [m for m in members if m.snapshots]
+        if not holders or self._skip_memory_restore:
             return
+        common = set.intersection(*(set(m.snapshots) for m in holders))
+        newest = max(common, default=None)
+        if newest is not None and (latest is None or newest > latest.index):
+            why = (f"the surviving workers' shards of snapshot {newest} do not cover the state "
+                   "(a node and the node holding the second copy of its shard were both lost)")
+        elif newest is None:
+            why = "the surviving workers share no in-memory snapshot"
+        else:
+            return  # the checkpoint in storage is as new as memory: nothing lost
+        self._events.emit(EventKind.DECISION, f"{why}; restoring from "
+                          + (f"checkpoint {latest.index} in storage" if latest else "the start"),
+                          decision="memory_restore_impossible", snapshot_index=newest,
+                          fallback_index=latest.index if latest else 0)
+
+    def _evacuate_state(self, st: Resizing, index: int) -> None:
+        """Keep snapshot ``index`` when leaving members hold shards of it the staying ones
+        lack: their shards move to a staying holder (over Ray), or, when every holder is
+        leaving (all members were on draining nodes), the snapshot is assembled on one of
+        them and written to storage before they go, so the next group loses nothing.
+        (A stop normally makes every rank take a full copy; this covers the rest.)"""
+        staying = [m for m in st.members if m not in st.leaving]
+        holders = [m for m in st.members if index in m.snapshots]
+        stay_holders = [m for m in holders if m in staying]
+        if not st.leaving or not holders or (
+                stay_holders and covered([m.stripes.get(index, (0, ())) for m in stay_holders])):
+            return
+        target = (stay_holders or holders)[0]
         try:
-            out = ray.get(holders[0].actor.persist_snapshot.remote(index, st.epoch), timeout=JOIN_TIMEOUT_S)
+            if not self._gather_shards(target, holders, index):
+                return
+            if target in staying:
+                self._events.emit(EventKind.DECISION, f"moved the leaving workers' shards of snapshot "
+                                  f"{index} to rank {target.prev_rank} before their nodes go",
+                                  decision="evacuate", index=index, to_rank=target.prev_rank)
+                return
+            out = ray.get(target.actor.persist_snapshot.remote(index, st.epoch), timeout=JOIN_TIMEOUT_S)
             self._ckpt.commit_evacuation(index, out["rel"], out["files"], out["upload_s"])
             self._events.emit(EventKind.DECISION, f"no remaining worker holds snapshot {index}: "
                               f"persisted it to storage before the node goes", decision="evacuate",
                               index=index, upload_s=round(out["upload_s"], 3))
         except Exception as e:  # noqa: BLE001 - fall back to the last committed checkpoint
             logger.warning("could not persist snapshot %s before evacuation: %s", index, e)
+
+    def _gather_shards(self, target: WorkerHandle, holders: List[WorkerHandle], index: int) -> bool:
+        """Merge other holders' shards of snapshot ``index`` into ``target`` until it holds
+        all of it. False (and a log line) when the holders together do not cover it."""
+        if not covered([m.stripes.get(index, (0, ())) for m in holders]):
+            logger.warning("the holders of snapshot %s do not cover it; not moving it", index)
+            return False
+        have = target.stripes.get(index, (0, ()))
+        for m in holders:
+            if have[0] == 0:
+                break
+            theirs = m.stripes.get(index, (0, ()))
+            if m is target or (theirs[0] and set(theirs[1]) <= set(have[1])):
+                continue
+            have = ray.get(target.actor.merge_snapshot.remote(index, m.actor.export_snapshot.remote(index)),
+                           timeout=JOIN_TIMEOUT_S)
+        target.stripes.pop(index, None)  # a full copy now
+        return True
 
     def _choose_stop_index(self, current: int, snapshots: bool = False,
                            budget_s: float = float("inf")) -> int:

@@ -33,6 +33,7 @@ class WorkerHandle:
     node_type: Optional[str] = None  # the node type it was placed for (capacity policy)
     prev_rank: int = 1 << 30  # rank in the last group (new workers sort last)
     snapshots: List[int] = field(default_factory=list)  # in-memory ElasticState snapshots held
+    stripes: Dict[int, Any] = field(default_factory=dict)  # index -> (nshards, shards) if striped
 
     @property
     def node_id(self) -> str:

@@ -26,6 +26,7 @@ from raylastic._internal import ray_train_compat
 from raylastic._internal.distributed import process_group
 from raylastic.session import GroupSpec, ReportRecord, RestoreInfo, Session, StopTraining
 from raylastic.state import STORE
+from raylastic._internal.stripes import held_leaves
 
 
 class WorkerStatus:
@@ -46,6 +47,7 @@ class PollResult:
     index: int = 0
     return_value: Any = None
     snapshots: List[int] = field(default_factory=list)  # complete in-memory snapshot indices
+    stripes: Dict[int, Any] = field(default_factory=dict)  # index -> (nshards, shards) if striped
 
 
 class TrainWorker:
@@ -177,6 +179,20 @@ class TrainWorker:
             self._storage.upload_dir(d, rel)
         return {"rel": rel, "files": files, "upload_s": time.perf_counter() - start}
 
+    def export_snapshot(self, index: int) -> Dict[str, Any]:
+        """The tensors of in-memory snapshot ``index`` this worker holds (by position),
+        for another worker to merge (its node is going away)."""
+        snap = STORE.get(self._run_rel, index)
+        if snap is None:
+            raise RuntimeError(f"no complete in-memory snapshot {index} here")
+        return {"holding": snap.holding, "leaves": held_leaves(snap.tensors)}
+
+    def merge_snapshot(self, index: int, exported: Dict[str, Any]) -> Any:
+        """Add another worker's shards of snapshot ``index`` to this worker's copy.
+        Returns what it holds now: (nshards, shards), (0, ()) for all of it."""
+        holding = STORE.merge(self._run_rel, index, exported["holding"], exported["leaves"])
+        return holding if holding is not None else (0, ())
+
     def _finish_uploads(self, sess: Session) -> None:
         """Training ended: the last checkpoint must reach storage before we say so."""
         self._uploader.wait()
@@ -191,6 +207,7 @@ class TrainWorker:
                 traceback=self._traceback, index=sess.current_index() if sess else 0,
                 return_value=self._return_value if self._status == WorkerStatus.FINISHED else None,
                 snapshots=STORE.complete_indices(self._run_rel),
+                stripes=STORE.stripes(self._run_rel),
             )
 
     def request_stop_at(self, index: int) -> Dict[str, Any]:
