@@ -38,7 +38,8 @@ copies the whole state for a snapshot it persists, and every rank does once the 
 is asked to stop (a resize or a drain: whichever ranks leave, the rest hold it all).
 Memory: two snapshots per worker (2/W of the state each when striped), double-buffered
 (a commit copies into the buffers of the older one), plus one more while a persisted
-snapshot is being written to storage.
+snapshot is being written to storage; full size for rank 0's persisted snapshots and for a
+snapshot assembled on a restore, until the next commits recycle them.
 """
 
 from __future__ import annotations
@@ -143,12 +144,12 @@ class SnapshotStore:
             snap.nbytes = nbytes(snap.tensors)
             return snap.holding
 
-    def replace(self, run: str, snap: Snapshot) -> None:
-        """Put ``snap`` in place of the snapshot with its index (an assembled full copy
-        replacing a stripe)."""
+    def make_whole(self, snap: Snapshot, tensors: Dict[str, Any]) -> None:
+        """``snap`` now holds all of its state (``tensors``, assembled on a restore; its
+        own buffers among them)."""
         with self._lock:
-            if self.run == run:
-                self._snaps = [snap if s.index == snap.index else s for s in self._snaps]
+            if snap.holding is not None:
+                snap.tensors, snap.holding, snap.nbytes = tensors, None, nbytes(tensors)
 
     def get(self, run: str, index: int) -> Optional[Snapshot]:
         with self._lock:
@@ -261,15 +262,15 @@ class ElasticState:
     def _assemble(self, index: int, snap: Optional[Snapshot]) -> Snapshot:
         """Every rank gets all of snapshot ``index``: shards (or all of it) that some
         rank lacks are broadcast from a holder. Workers that joined hold nothing; they
-        keep their own RNG streams. The full copy replaces this rank's stripe."""
+        keep their own RNG streams. This rank's snapshot is completed in place."""
         tensors, plain = assemble(index, snap.tensors if snap else None, snap.plain if snap else None,
                                   snap.holding if snap else None)
-        full = Snapshot(index=index, plain=plain, tensors=tensors, rng=snap.rng if snap else {})
-        full.nbytes = nbytes(tensors)
+        if snap is not None:
+            STORE.make_whole(snap, tensors)  # in place: a writer's pins stay on it
+            return snap
+        full = Snapshot(index=index, plain=plain, tensors=tensors, rng={})
         full.complete.set()
         full.done.set()
-        if snap is not None:
-            STORE.replace(self._sess.run_rel, full)
         return full
 
     def _load(self, plain: Dict[str, Any], tensors: Dict[str, Any], rng: Dict[str, Any]) -> None:
@@ -307,7 +308,9 @@ class ElasticState:
         index = sess.current_index() + 1
         every = self._persist_every or sess.persist_every
         persist = bool(every and index % every == 0)
-        if index % self._snapshot_every and not persist:
+        # A stop was asked for (a resize, a drain): snapshot every commit from now on,
+        # whole (see _holding), so the stop index is a restore point whoever leaves.
+        if index % self._snapshot_every and not persist and not sess.stop_requested:
             sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), None, persist=False)
             return
         plain = {"attrs": copy.deepcopy(self._attrs),

@@ -56,8 +56,8 @@ def _host_buffer(dst: Any, src: torch.Tensor) -> torch.Tensor:
     """``dst`` when it can hold ``src``, else a new host tensor (pinned for CUDA sources:
     an asynchronous device-to-host copy needs page-locked memory)."""
     if (isinstance(dst, torch.Tensor) and dst.shape == src.shape and dst.dtype == src.dtype
-            and dst.device.type == "cpu"):
-        return dst
+            and dst.device.type == "cpu" and (not src.is_cuda or dst.is_pinned())):
+        return dst  # (a pageable buffer, e.g. one received on a restore, would make it synchronous)
     return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
 
 

@@ -6,7 +6,8 @@ memory. Surviving the loss of any one node needs every byte on two nodes, not on
 So (as Gemini, SOSP'23, places checkpoint replicas) the state's tensors are split into
 W shards of about equal bytes; rank r copies shard r and one other rank's shard, chosen
 on another node (``plan_stripes``). Each rank then copies about 2/W of the state per
-step and holds 2/W of it per snapshot: 2/3 with 3 workers, 1/4 with 8.
+step and holds 2/W of it per snapshot: 2/3 with 3 workers, 1/4 with 8 (with the same
+number of workers on every node; uneven nodes load some ranks more, see ``plan_stripes``).
 
 Restoring (``assemble``): the members of the new group tell each other which shards of
 the chosen snapshot they hold, and every tensor some member lacks is broadcast from the
@@ -22,12 +23,16 @@ dtype, no memory), so every rank's snapshot has the full structure.
 from __future__ import annotations
 
 import functools
+import hashlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-Holding = Optional[Tuple[int, Tuple[int, ...]]]  # (nshards, shards held); nshards 0: all
+# (nshards, shards held); nshards 0: all of it. Where a Holding describes a snapshot's
+# copy (``Snapshot.holding``, ``keep_mask``) None also means all of it; in a list of
+# members' holdings (``covered``, ``assemble``) None means the member holds none of it.
+Holding = Optional[Tuple[int, Tuple[int, ...]]]
 
 
 def plan_stripes(nodes: Sequence[str]) -> Optional[List[Tuple[int, ...]]]:
@@ -37,7 +42,10 @@ def plan_stripes(nodes: Sequence[str]) -> Optional[List[Tuple[int, ...]]]:
     Shard s's first copy is rank s; its second goes to the least loaded rank on another
     node (ties: the next rank after s in ring order), so losing any one node leaves a
     copy of every shard. With all ranks on one node the second copy is on another rank
-    (a crashed worker process is survived; a lost node takes every copy anyway)."""
+    (a crashed worker process is survived; a lost node takes every copy anyway). With
+    one node per rank, or the same number of ranks per node, each rank holds 2 shards;
+    with uneven nodes a rank alone on its node can hold the second copy of every other
+    node's shards (e.g. 7 ranks on one node and 1 on another: that one holds all 8)."""
     world = len(nodes)
     if world < 3:
         return None
@@ -146,14 +154,19 @@ def assemble(index: int, tensors: Optional[Any], plain: Optional[Dict[str, Any]]
     (full tensors, plain state)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     mine = (holding if holding is not None else (0, ())) if tensors is not None else None
-    everyone: List[Holding] = [None] * world
-    dist.all_gather_object(everyone, [index, mine])
-    indices = {i for i, h in everyone if h is not None}
-    if indices != {index}:
-        raise RuntimeError(f"ranks hold different snapshots for restore index {index}: {sorted(indices)}")
-    holdings = [h for _i, h in everyone]
-    if not covered(holdings):
-        raise RuntimeError(f"snapshot {index}: the ranks' shards {holdings} do not cover the state")
+    # Every check below is made on the same gathered facts by every rank, so all raise
+    # together (none is left waiting in a broadcast for a rank that gave up).
+    everyone: List[Any] = [None] * world  # per rank: [what it holds, its tree's fingerprint]
+    dist.all_gather_object(everyone, [mine, fingerprint(tensors) if tensors is not None else None])
+    holdings: List[Holding] = [h for h, _fp in everyone]
+    problem = None
+    if len({fp for h, fp in everyone if h is not None}) > 1:
+        problem = "the ranks' copies differ in tensor shapes or dtypes (not copies of one replicated state)"
+    elif not covered(holdings):
+        problem = f"the ranks' shards {holdings} do not cover the state"
+    if problem is not None:
+        dist.barrier()  # no rank tears the group down while another still reads the gather
+        raise RuntimeError(f"snapshot {index}: {problem}")
     ref = min(r for r, h in enumerate(holdings) if h is not None)
     box = [{"plain": plain, "skeleton": to_meta(tensors)} if rank == ref else None]
     dist.broadcast_object_list(box, src=ref)
@@ -165,10 +178,10 @@ def assemble(index: int, tensors: Optional[Any], plain: Optional[Dict[str, Any]]
 
     def fill(j: int, meta: torch.Tensor) -> torch.Tensor:
         holders = [r for r, m in enumerate(masks) if m is not None and m[j]]
-        t = own[j] if masks[rank] is not None and masks[rank][j] else torch.empty(meta.shape, dtype=meta.dtype)
-        if len(holders) < world:
-            _broadcast(t, holders[0], device)
-        return t
+        have = masks[rank] is not None and masks[rank][j]
+        if len(holders) == world:
+            return own[j]
+        return _broadcast(own[j] if have else None, meta, holders[0], device)
 
     full = map_leaves(skeleton, fill)
     return full, (plain if plain is not None else box[0]["plain"])
@@ -181,13 +194,22 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _broadcast(t: torch.Tensor, src: int, device: torch.device) -> None:
+def _broadcast(t: Optional[torch.Tensor], meta: torch.Tensor, src: int, device: torch.device) -> torch.Tensor:
+    """Send ``t`` (the source) or receive into a new host tensor shaped like ``meta``."""
     if device.type == "cpu":
+        t = t if t is not None else torch.empty(meta.shape, dtype=meta.dtype)
         dist.broadcast(t, src=src)
-        return
-    staged = t.to(device)
+        return t
+    staged = t.to(device) if t is not None else torch.empty(meta.shape, dtype=meta.dtype, device=device)
     dist.broadcast(staged, src=src)
-    t.copy_(staged)
+    return t if t is not None else staged.cpu()
+
+
+def fingerprint(tree: Any) -> str:
+    """Shapes and dtypes of a tree's tensors, in order (equal on every rank for copies of
+    one replicated state)."""
+    spec = repr([(tuple(t.shape), str(t.dtype)) for t in leaves(tree)])
+    return hashlib.sha1(spec.encode()).hexdigest()
 
 
 __all__ = ["Holding", "plan_stripes", "shard_of_leaves", "leaves", "map_leaves", "held_leaves", "keep_mask",

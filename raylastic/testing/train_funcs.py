@@ -91,6 +91,10 @@ def mlp_bench(config: Dict[str, Any]) -> None:
     step: the benchmark measures both frameworks from the same file. Training stops
     at ``total_steps`` or when ``config["stop_path"]`` exists (checked on every rank
     and agreed with an all-reduce, so no rank is left in a collective).
+    ``config["stuck_rank0_at"]`` (raylastic only, 3+ ranks): in the first group, at that
+    step rank 0 blocks in a receive from rank 1, and ranks 1 and 2 in receives from each
+    other: after a loss of rank 2's node, rank 1 unwinds and rank 0 stays stuck (the gloo
+    case the controller replaces a worker for).
     """
     import json
 
@@ -125,7 +129,12 @@ def mlp_bench(config: Dict[str, Any]) -> None:
     every = int(config.get("checkpoint_every", 10))
     stop_path = config.get("stop_path")
     notified = False
+    stuck_at = config.get("stuck_rank0_at")  # raylastic only, 3 or more ranks
     for step in range(start + 1, int(config.get("total_steps", 10**9)) + 1):
+        if stuck_at is not None and step == int(stuck_at) and ctx.get_membership_epoch() == 1 and rank < 3:
+            # rank 0 waits for rank 1, which waits for rank 2 (and 2 for 1): losing rank 2's
+            # node frees rank 1 (its peer's socket closes), never rank 0
+            dist.recv(torch.zeros(1), src=(1, 2, 1)[rank])
         g = torch.Generator().manual_seed(step * 7919 + rank)
         x = torch.randn(batch, dim, generator=g)
         y = x.sum(dim=1, keepdim=True).sin()

@@ -55,3 +55,33 @@ def test_survivor_stripes_and_a_new_worker_assemble_the_whole_snapshot(tmp_path)
     mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=3, join=True)
     for r in range(3):
         assert (tmp_path / f"rank{r}").read_text() == "True 11", r
+
+
+def _rank_mismatch(rank, port, out_dir):
+    import torch.distributed as dist
+
+    from raylastic._internal.snapshot_copy import StateCopier
+    from raylastic._internal.stripes import assemble, plan_stripes
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    width = 48 if rank != 1 else 40  # rank 1's copy is of another model: not a replica
+    model = torch.nn.Linear(32, width)
+    opt = torch.optim.Adam(model.parameters())
+    holding = (3, plan_stripes(["a", "b", "c"])[rank])
+    tensors, start = StateCopier(model, opt, overlap=False).copy(None, lambda _e: None, holding)
+    start()
+    try:
+        assemble(5, tensors, {}, holding)
+        outcome = "assembled"
+    except RuntimeError as e:
+        outcome = "differ" if "differ" in str(e) else f"other: {e}"
+    with open(f"{out_dir}/rank{rank}", "w") as fh:
+        fh.write(outcome)
+    dist.destroy_process_group()
+
+
+def test_copies_of_different_models_fail_on_every_rank_instead_of_hanging(tmp_path):
+    from raylastic.testing.ports import free_port
+
+    mp.spawn(_rank_mismatch, args=(free_port(), str(tmp_path)), nprocs=3, join=True)
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(3)] == ["differ"] * 3

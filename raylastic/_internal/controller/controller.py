@@ -280,10 +280,7 @@ class Controller:
     def _form_group(self, members: List[WorkerHandle]) -> Optional[Running]:
         self._epoch += 1
         epoch = self._epoch
-        members = _order_by_node(members)
-        planned = self._plan_restore(members)
-        if planned.memory_index is not None:  # rank 0 must hold the snapshot it broadcasts
-            members.sort(key=lambda m: 0 if planned.memory_index in m.snapshots else 1)
+        members = _order_by_node(members)  # (any holder can send a restore: see stripes.assemble)
         world = len(members)
         backend = self._scaling.backend
         try:
@@ -531,7 +528,7 @@ class Controller:
         self._restarts += 1
         if not st.graceful:
             self._recoveries += 1
-        plan = self._plan_restore([m for m in st.members if m not in st.leaving])
+        plan = self._plan_restore([m for m in st.members if m not in st.leaving and m.wid in self._pool.workers])
         reached = max(self._last_index_seen(st), plan.index)
         lost_steps = reached - plan.index
         source = "in-memory snapshot" if plan.memory_index is not None else "checkpoint"
@@ -666,7 +663,7 @@ class Controller:
                               f"persisted it to storage before the node goes", decision="evacuate",
                               index=index, upload_s=round(out["upload_s"], 3))
         except Exception as e:  # noqa: BLE001 - fall back to the last committed checkpoint
-            logger.warning("could not persist snapshot %s before evacuation: %s", index, e)
+            logger.warning("could not move or persist snapshot %s before evacuation: %s", index, e)
 
     def _gather_shards(self, target: WorkerHandle, holders: List[WorkerHandle], index: int) -> bool:
         """Merge other holders' shards of snapshot ``index`` into ``target`` until it holds
@@ -681,8 +678,12 @@ class Controller:
             theirs = m.stripes.get(index, (0, ()))
             if m is target or (theirs[0] and set(theirs[1]) <= set(have[1])):
                 continue
-            have = ray.get(target.actor.merge_snapshot.remote(index, m.actor.export_snapshot.remote(index)),
-                           timeout=JOIN_TIMEOUT_S)
+            have = tuple(ray.get(target.actor.merge_snapshot.remote(index, m.actor.export_snapshot.remote(index)),
+                                 timeout=JOIN_TIMEOUT_S))
+        if have[0] != 0:
+            logger.warning("snapshot %s is still not whole on rank %s after merging (%s)",
+                           index, target.prev_rank, have)
+            return False
         target.stripes.pop(index, None)  # a full copy now
         return True
 
@@ -717,15 +718,54 @@ class Controller:
             timeout_s = max(ABORT_JOIN_MIN_S, ABORT_JOIN_STEPS * self._step_time_s)
         refs = {m.actor.join.remote(timeout_s): m for m in members}
         done, not_done = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s + 5)
+        stopped, hung = [], [(refs[ref], "did not answer") for ref in not_done]
         for ref in done:
             try:
                 if ray.get(ref):
+                    stopped.append(refs[ref])
                     continue
             except RayActorError:
                 pass
-            self._replace(refs[ref], "did not stop in time")
-        for ref in not_done:
-            self._replace(refs[ref], "did not answer")
+            hung.append((refs[ref], "did not stop in time"))
+        for m, why in hung:
+            self._rescue_shards(m, stopped)
+            self._replace(m, why)
+
+    def _rescue_shards(self, hung: WorkerHandle, stopped: List[WorkerHandle]) -> None:
+        """A worker about to be replaced (its train thread stuck in a collective) still
+        answers calls, and its snapshots are intact (no optimizer step ran since): move
+        the shards the stopped workers lack to one of them, so replacing it does not turn
+        a memory restore into a storage read."""
+        if not stopped:
+            return
+        try:  # fresh views: snapshots may have completed since the last poll
+            views = ray.get([m.actor.holdings.remote() for m in [hung, *stopped]], timeout=ABORT_JOIN_MIN_S)
+        except Exception as e:  # noqa: BLE001 - the restore then falls back as planned
+            logger.warning("hung rank %s does not answer: %s", hung.prev_rank, e)
+            return
+        for m, view in zip([hung, *stopped], views):
+            m.snapshots, m.stripes = list(view["snapshots"]), dict(view["stripes"])
+        common = [(i, m) for m in stopped for i in set(hung.snapshots) & set(m.snapshots)]
+        if not common:
+            return
+        index, to = max(common, key=lambda p: p[0])  # the newest: the one a restore would use
+        mine = hung.stripes.get(index, (0, ()))
+        theirs = to.stripes.get(index, (0, ()))
+        if theirs[0] == 0 or (mine[0] and set(mine[1]) <= set(theirs[1])):
+            return  # the receiver lacks nothing the hung worker has
+        try:
+            have = tuple(ray.get(to.actor.merge_snapshot.remote(index, hung.actor.export_snapshot.remote(index)),
+                                 timeout=JOIN_TIMEOUT_S))
+        except Exception as e:  # noqa: BLE001 - the restore then falls back as planned
+            logger.warning("could not move snapshot %s's shards off hung rank %s: %s", index, hung.prev_rank, e)
+            return
+        if have[0] == 0:
+            to.stripes.pop(index, None)
+        else:
+            to.stripes[index] = have
+        self._events.emit(EventKind.DECISION, f"moved hung rank {hung.prev_rank}'s shards of snapshot "
+                          f"{index} to rank {to.prev_rank} before replacing it", decision="evacuate",
+                          index=index, to_rank=to.prev_rank)
 
     def _replace(self, m: WorkerHandle, why: str) -> None:
         self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} {why}; replacing it",

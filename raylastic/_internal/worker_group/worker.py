@@ -179,6 +179,11 @@ class TrainWorker:
             self._storage.upload_dir(d, rel)
         return {"rel": rel, "files": files, "upload_s": time.perf_counter() - start}
 
+    def holdings(self) -> Dict[str, Any]:
+        """Complete in-memory snapshots here, and which of them are striped (as poll()
+        reports them, without draining reports)."""
+        return {"snapshots": STORE.complete_indices(self._run_rel), "stripes": STORE.stripes(self._run_rel)}
+
     def export_snapshot(self, index: int) -> Dict[str, Any]:
         """The tensors of in-memory snapshot ``index`` this worker holds (by position),
         for another worker to merge (its node is going away)."""
