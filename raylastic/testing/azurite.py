@@ -29,7 +29,7 @@ import time
 import weakref
 from pathlib import Path
 from typing import Optional
-from raylastic.testing.ports import free_port
+from raylastic.testing.ports import free_ports
 
 __all__ = ["Azurite", "AzuriteNotInstalled", "find_azurite"]
 
@@ -105,9 +105,8 @@ class Azurite:
             raise AzuriteNotInstalled(f"azurite executable not found ({exe or _REPO_AZURITE}); {_INSTALL_HINT}")
         self.executable = exe
         self.startup_timeout_s = startup_timeout_s
-        self.blob_port = free_port(self.host)
-        self.table_port = free_port(self.host)
-        self.queue_port = free_port(self.host)
+        # one call: ports picked one by one can repeat (seen: table and queue on one port)
+        self.blob_port, self.table_port, self.queue_port = free_ports(3, self.host)
         self._workdir = tempfile.mkdtemp(prefix="raylastic-azurite-")
         self._proc: Optional[subprocess.Popen] = None
         self._procs: list = [None]  # shared with the finalizer, which must not hold ``self``

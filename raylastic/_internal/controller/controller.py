@@ -107,6 +107,7 @@ class Controller:
         self._last_committed_seen: Optional[int] = None
         self._recoveries = 0
         self._skip_memory_restore = False  # set when an in-memory snapshot did not fit
+        self._last_words: Dict[int, PollResult] = {}  # polls of workers replaced while stuck
         self._draining: Dict[str, int] = {}
         self._draining_checked_at = 0.0
         self._tb = None
@@ -552,6 +553,9 @@ class Controller:
         for m in st.members:
             if m.wid in results:
                 self._ingest(running, m, results[m.wid])
+            elif m.wid in self._last_words:  # replaced while stuck: its reports before that
+                self._ingest(running, m, self._last_words.pop(m.wid))
+        self._last_words.clear()
         if st.lost_ranks:
             self._ckpt.commit_after_loss(st.lost_ranks)
 
@@ -728,8 +732,18 @@ class Controller:
                 pass
             hung.append((refs[ref], "did not stop in time"))
         for m, why in hung:
+            self._take_last_words(m)
             self._rescue_shards(m, stopped)
             self._replace(m, why)
+
+    def _take_last_words(self, m: WorkerHandle) -> None:
+        """Collect the reports a worker about to be replaced made since the last poll
+        (its actor answers; only its train thread is stuck), so its metrics and
+        checkpoint records are not lost with it; ``_drain_survivors`` ingests them."""
+        try:
+            self._last_words[m.wid] = ray.get(m.actor.poll.remote(), timeout=ABORT_JOIN_MIN_S)
+        except Exception as e:  # noqa: BLE001 - a dead or unresponsive actor: nothing to save
+            logger.debug("no last reports from rank %s: %s", m.prev_rank, e)
 
     def _rescue_shards(self, hung: WorkerHandle, stopped: List[WorkerHandle]) -> None:
         """A worker about to be replaced (its train thread stuck in a collective) still
