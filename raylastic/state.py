@@ -57,7 +57,7 @@ import torch.distributed as dist
 from raylastic import session as _session
 from raylastic.errors import SnapshotMismatchError
 from raylastic._internal.snapshot_copy import StateCopier, clone_to_cpu, nbytes
-from raylastic._internal.stripes import Holding, assemble, covered, leaves, map_leaves
+from raylastic._internal.stripes import Holding, assemble, covered, held_leaves, leaves, map_leaves
 
 STATE_FILE = "elastic_state.pt"
 
@@ -143,13 +143,6 @@ class SnapshotStore:
                 snap.holding = (snap.holding[0], tuple(sorted(set(snap.holding[1]) | set(holding[1]))))
             snap.nbytes = nbytes(snap.tensors)
             return snap.holding
-
-    def make_whole(self, snap: Snapshot, tensors: Dict[str, Any]) -> None:
-        """``snap`` now holds all of its state (``tensors``, assembled on a restore; its
-        own buffers among them)."""
-        with self._lock:
-            if snap.holding is not None:
-                snap.tensors, snap.holding, snap.nbytes = tensors, None, nbytes(tensors)
 
     def get(self, run: str, index: int) -> Optional[Snapshot]:
         with self._lock:
@@ -266,7 +259,8 @@ class ElasticState:
         tensors, plain = assemble(index, snap.tensors if snap else None, snap.plain if snap else None,
                                   snap.holding if snap else None)
         if snap is not None:
-            STORE.make_whole(snap, tensors)  # in place: a writer's pins stay on it
+            # in place (a writer's pins stay on it): the assembled tensors fill the placeholders
+            STORE.merge(self._sess.run_rel, index, None, held_leaves(tensors))
             return snap
         full = Snapshot(index=index, plain=plain, tensors=tensors, rng={})
         full.complete.set()

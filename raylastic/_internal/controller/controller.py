@@ -649,8 +649,7 @@ class Controller:
         staying = [m for m in st.members if m not in st.leaving]
         holders = [m for m in st.members if index in m.snapshots]
         stay_holders = [m for m in holders if m in staying]
-        if not st.leaving or not holders or (
-                stay_holders and covered([m.stripes.get(index, (0, ())) for m in stay_holders])):
+        if not st.leaving or not holders or (stay_holders and covered([m.holding(index) for m in stay_holders])):
             return
         target = (stay_holders or holders)[0]
         try:
@@ -672,23 +671,32 @@ class Controller:
     def _gather_shards(self, target: WorkerHandle, holders: List[WorkerHandle], index: int) -> bool:
         """Merge other holders' shards of snapshot ``index`` into ``target`` until it holds
         all of it. False (and a log line) when the holders together do not cover it."""
-        if not covered([m.stripes.get(index, (0, ())) for m in holders]):
+        if not covered([m.holding(index) for m in holders]):
             logger.warning("the holders of snapshot %s do not cover it; not moving it", index)
             return False
-        have = target.stripes.get(index, (0, ()))
         for m in holders:
-            if have[0] == 0:
+            if target.holding(index)[0] == 0:
                 break
-            theirs = m.stripes.get(index, (0, ()))
-            if m is target or (theirs[0] and set(theirs[1]) <= set(have[1])):
-                continue
-            have = tuple(ray.get(target.actor.merge_snapshot.remote(index, m.actor.export_snapshot.remote(index)),
-                                 timeout=JOIN_TIMEOUT_S))
-        if have[0] != 0:
+            if m is not target:
+                self._merge_shards(m, target, index)
+        if target.holding(index)[0] != 0:
             logger.warning("snapshot %s is still not whole on rank %s after merging (%s)",
-                           index, target.prev_rank, have)
+                           index, target.prev_rank, target.holding(index))
             return False
-        target.stripes.pop(index, None)  # a full copy now
+        return True
+
+    def _merge_shards(self, frm: WorkerHandle, to: WorkerHandle, index: int) -> bool:
+        """Copy ``frm``'s shards of snapshot ``index`` that ``to`` lacks into ``to``'s copy
+        (over Ray); ``to.stripes`` follows. False when ``frm`` adds nothing."""
+        theirs, have = frm.holding(index), to.holding(index)
+        if have[0] == 0 or (theirs[0] and set(theirs[1]) <= set(have[1])):
+            return False
+        have = tuple(ray.get(to.actor.merge_snapshot.remote(index, frm.actor.export_snapshot.remote(index)),
+                             timeout=JOIN_TIMEOUT_S))
+        if have[0] == 0:
+            to.stripes.pop(index, None)  # a full copy now
+        else:
+            to.stripes[index] = have
         return True
 
     def _choose_stop_index(self, current: int, snapshots: bool = False,
@@ -763,20 +771,12 @@ class Controller:
         if not common:
             return
         index, to = max(common, key=lambda p: p[0])  # the newest: the one a restore would use
-        mine = hung.stripes.get(index, (0, ()))
-        theirs = to.stripes.get(index, (0, ()))
-        if theirs[0] == 0 or (mine[0] and set(mine[1]) <= set(theirs[1])):
-            return  # the receiver lacks nothing the hung worker has
         try:
-            have = tuple(ray.get(to.actor.merge_snapshot.remote(index, hung.actor.export_snapshot.remote(index)),
-                                 timeout=JOIN_TIMEOUT_S))
+            if not self._merge_shards(hung, to, index):
+                return  # the receiver lacks nothing the hung worker has
         except Exception as e:  # noqa: BLE001 - the restore then falls back as planned
             logger.warning("could not move snapshot %s's shards off hung rank %s: %s", index, hung.prev_rank, e)
             return
-        if have[0] == 0:
-            to.stripes.pop(index, None)
-        else:
-            to.stripes[index] = have
         self._events.emit(EventKind.DECISION, f"moved hung rank {hung.prev_rank}'s shards of snapshot "
                           f"{index} to rank {to.prev_rank} before replacing it", decision="evacuate",
                           index=index, to_rank=to.prev_rank)

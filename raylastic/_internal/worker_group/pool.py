@@ -35,6 +35,10 @@ class WorkerHandle:
     snapshots: List[int] = field(default_factory=list)  # in-memory ElasticState snapshots held
     stripes: Dict[int, Any] = field(default_factory=dict)  # index -> (nshards, shards) if striped
 
+    def holding(self, index: int) -> Any:
+        """What this worker holds of snapshot ``index``: (nshards, shards); (0, ()) all."""
+        return self.stripes.get(index, (0, ()))
+
     @property
     def node_id(self) -> str:
         return (self.info or {}).get("node_id", "")

@@ -168,9 +168,7 @@ class TrainWorker:
         from raylastic.checkpoint.uploader import checksum_tree
         from raylastic.session import checkpoint_rel
 
-        snap = STORE.get(self._run_rel, index)
-        if snap is None:
-            raise RuntimeError(f"no complete in-memory snapshot {index} here")
+        snap = self._snapshot(index)
         rel = checkpoint_rel(self._run_rel, index, epoch)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as d:
@@ -186,11 +184,15 @@ class TrainWorker:
 
     def export_snapshot(self, index: int) -> Dict[str, Any]:
         """The tensors of in-memory snapshot ``index`` this worker holds (by position),
-        for another worker to merge (its node is going away)."""
+        for another worker to merge (its node is going away, or it is stuck)."""
+        snap = self._snapshot(index)
+        return {"holding": snap.holding, "leaves": held_leaves(snap.tensors)}
+
+    def _snapshot(self, index: int):
         snap = STORE.get(self._run_rel, index)
         if snap is None:
             raise RuntimeError(f"no complete in-memory snapshot {index} here")
-        return {"holding": snap.holding, "leaves": held_leaves(snap.tensors)}
+        return snap
 
     def merge_snapshot(self, index: int, exported: Dict[str, Any]) -> Any:
         """Add another worker's shards of snapshot ``index`` to this worker's copy.
@@ -211,8 +213,7 @@ class TrainWorker:
                 status=self._status, epoch=self._epoch, records=records, error=self._error,
                 traceback=self._traceback, index=sess.current_index() if sess else 0,
                 return_value=self._return_value if self._status == WorkerStatus.FINISHED else None,
-                snapshots=STORE.complete_indices(self._run_rel),
-                stripes=STORE.stripes(self._run_rel),
+                **self.holdings(),
             )
 
     def request_stop_at(self, index: int) -> Dict[str, Any]:
