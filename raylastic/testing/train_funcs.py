@@ -24,9 +24,10 @@ def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
     config: total_steps, checkpoint_every (1), step_sleep_s (0), fail_at_step (None),
     fail_rank (0), dim (8), batch (16), lr (0.05), seed (0), cuda (False: train on this
     worker's GPU, for the NCCL path), stuck_rank0_at (None: in the first group only, rank 0
-    waits at that step for a message rank 1 never sends, i.e. it is stuck in a gloo
-    operation that only the group timeout ends, while the others block in the next
-    all-reduce; a node loss then leaves rank 0 unable to unwind).
+    waits at that step for a message rank 1 never sends, i.e. it is blocked in a gloo
+    operation that only the group timeout or an abort ends, while the others block in
+    the next all-reduce), hang_rank0_at (None: in the first group only, rank 0 hangs at
+    that step in its own code, outside any collective, where no abort reaches it).
     """
     total = int(config.get("total_steps", 20))
     every = int(config.get("checkpoint_every", 1))
@@ -53,6 +54,7 @@ def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
     for step in range(start + 1, total + 1):
         if stuck_at is not None and step == int(stuck_at) and rank == 0 and ctx.get_membership_epoch() == 1:
             dist.recv(torch.zeros(1), src=1)
+        _maybe_hang(config, step, rank, ctx)
         g = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(int(config.get("batch", 16)), dim, generator=g).to(device)
         y = x @ true_w
@@ -93,8 +95,10 @@ def mlp_bench(config: Dict[str, Any]) -> None:
     and agreed with an all-reduce, so no rank is left in a collective).
     ``config["stuck_rank0_at"]`` (raylastic only, 3+ ranks): in the first group, at that
     step rank 0 blocks in a receive from rank 1, and ranks 1 and 2 in receives from each
-    other: after a loss of rank 2's node, rank 1 unwinds and rank 0 stays stuck (the gloo
-    case the controller replaces a worker for).
+    other: after a loss of rank 2's node, only the controller's abort frees rank 0.
+    ``config["hang_rank0_at"]``: in the first group, rank 0 hangs at that step in its
+    own code (no abort reaches it; the controller replaces it), the others block in the
+    step's all-reduce.
     """
     import json
 
@@ -135,6 +139,7 @@ def mlp_bench(config: Dict[str, Any]) -> None:
             # rank 0 waits for rank 1, which waits for rank 2 (and 2 for 1): losing rank 2's
             # node frees rank 1 (its peer's socket closes), never rank 0
             dist.recv(torch.zeros(1), src=(1, 2, 1)[rank])
+        _maybe_hang(config, step, rank, ctx)
         g = torch.Generator().manual_seed(step * 7919 + rank)
         x = torch.randn(batch, dim, generator=g)
         y = x.sum(dim=1, keepdim=True).sin()
@@ -238,3 +243,13 @@ def elastic_mlp(config: Dict[str, Any]) -> None:
         log.close()
     if rank == 0 and config.get("weights_out"):
         torch.save(model.state_dict(), config["weights_out"])
+
+
+def _maybe_hang(config: Dict[str, Any], step: int, rank: int, ctx) -> None:
+    """``config["hang_rank0_at"]``: rank 0 of the first group never gets past this step
+    (a train function stuck in its own code: a data source that stopped answering).
+    It stays until its process is killed."""
+    at = config.get("hang_rank0_at")
+    if at is not None and step == int(at) and rank == 0 and ctx.get_membership_epoch() == 1:
+        while True:
+            time.sleep(0.5)

@@ -70,11 +70,14 @@ def test_node_loss_shrinks_then_grows_back_and_resumes(local_cluster, restore_no
     assert killed not in formed[2]["nodes"]
 
 
-def test_survivor_stuck_in_a_collective_is_replaced_without_waiting_for_the_timeout(
+def test_survivors_stuck_in_a_collective_are_freed_by_the_abort_and_reused(
         local_cluster, restore_nodes, run_dir):
-    """gloo cannot abort an operation in flight. Rank 0 is stuck in a receive that only
-    the group timeout (60 s) ends when the last rank's node is lost: the controller
-    replaces it after max(5 s, 3 steps) and training goes on from the last checkpoint."""
+    """gloo cannot abort an operation in flight, and a survivor blocked on another
+    survivor never sees the loss: rank 0 waits in a receive from rank 1, ranks 1 and 2
+    in the next all-reduce, when rank 2's node is lost. The controller's abort shuts the
+    group's connections down, so both survivors unwind at once and train on, warm, in
+    the next group (without it they would wait for the 60 s group timeout or be
+    replaced)."""
     cfg = {"total_steps": 40, "checkpoint_every": 5, "step_sleep_s": 0.05, "stuck_rank0_at": 15}
     trainer = _trainer(run_dir, "stuck", cfg)
     th = FitThread(trainer)
@@ -84,9 +87,34 @@ def test_survivor_stuck_in_a_collective_is_replaced_without_waiting_for_the_time
     t_kill = time.time()
     result = th.wait(180)
 
+    assert result.error is None and result.metrics["step"] == 40
+    events = load_events(result.path)
+    lost = [e for e in events if e["kind"] == "worker_lost"]
+    assert [(e["node_id"], e["cause"]) for e in lost] == [(killed, "node_lost")], [e["message"] for e in lost]
+    formed = [e for e in events if e["kind"] == "group_formed"]
+    assert formed[1]["world_size"] == 2 and set(formed[1]["nodes"]) < set(formed[0]["nodes"])
+    assert set(formed[1]["pids"]) < set(formed[0]["pids"])  # the same processes: reused
+    assert formed[1]["ts"] - t_kill < 30, formed[1]["ts"] - t_kill  # the group timeout is 60 s
+
+
+def test_survivor_hung_in_its_own_code_is_replaced_without_waiting_for_the_timeout(
+        local_cluster, restore_nodes, run_dir):
+    """No abort reaches a train function stuck outside any collective (here rank 0 hangs
+    in its own code while the others wait for it in the all-reduce). When the last
+    rank's node is lost, the controller replaces rank 0 after max(5 s, 3 steps) and
+    training goes on from the last checkpoint."""
+    cfg = {"total_steps": 40, "checkpoint_every": 5, "step_sleep_s": 0.05, "hang_rank0_at": 15}
+    trainer = _trainer(run_dir, "hang", cfg)
+    th = FitThread(trainer)
+    th.start()
+    w = RunWatcher(os.path.join(run_dir, "hang"))
+    killed = kill_node_at(local_cluster, w, 14)
+    t_kill = time.time()
+    result = th.wait(180)
+
     events = load_events(result.path)
     hung = [e for e in events if e["kind"] == "worker_lost" and e.get("cause") == "hung"]
-    assert 0 in {e["rank"] for e in hung}, [e["message"] for e in events if e["kind"] == "worker_lost"]
+    assert [e["rank"] for e in hung] == [0], [e["message"] for e in events if e["kind"] == "worker_lost"]
     formed = [e for e in events if e["kind"] == "group_formed"]
     assert formed[1]["world_size"] == 2 and killed not in formed[1]["nodes"]
     assert formed[1]["ts"] - t_kill < 30, formed[1]["ts"] - t_kill  # the group timeout is 60 s

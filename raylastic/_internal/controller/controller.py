@@ -45,11 +45,11 @@ ERROR_CLASSIFY_GRACE_S = 5.0
 # How long survivors get to unwind their train function before being replaced.
 JOIN_TIMEOUT_S = 30.0
 # After an abort (a peer lost), a rank that is computing unwinds at its next report, within
-# about a step. One that is not back after this long is stuck in a gloo collective waiting
-# for another survivor that already gave up on it (gloo cannot abort an operation in
-# flight: measured, ProcessGroupGloo.abort() and destroy_process_group() leave it blocked
-# until the group timeout). Replacing that worker (a new process, state by broadcast) costs
-# seconds; waiting for the group timeout would cost a minute.
+# about a step, and one blocked in a gloo collective at once (the abort shuts the group's
+# connections down: process_group.abort_group). One that is not back after this long is
+# stuck where no abort reaches it (its own code, an NCCL operation, a group gloo joined
+# lazily). Replacing that worker (a new process, state by broadcast) costs seconds;
+# waiting for the group timeout would cost a minute.
 ABORT_JOIN_MIN_S = 5.0
 ABORT_JOIN_STEPS = 3
 # How often to ask the GCS which nodes are draining (preemption notices).

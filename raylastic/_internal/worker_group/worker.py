@@ -223,14 +223,18 @@ class TrainWorker:
         ok = sess.request_stop_at(index)
         return {"ok": ok, "index": sess.current_index()}
 
-    def abort(self) -> None:
-        """Make the train function unwind at its next ``report()``.
-
-        A rank blocked in a collective with a dead peer unwinds when gloo/NCCL notices
-        the broken connection; ``join`` bounds how long the controller waits for that.
-        """
-        if self._session is not None:
-            self._session.abort()
+    def abort(self) -> int:
+        """Make the train function unwind: at its next ``report()``, and (gloo) at once
+        if it is blocked in a collective: the group's connections are shut down, which
+        fails the operation here and on every peer still in it (see
+        ``process_group.abort_group``). NCCL ranks unwind when NCCL notices the broken
+        connection; ``join`` bounds how long the controller waits. Returns how many
+        connections were shut down."""
+        sess = self._session
+        if sess is None:
+            return 0
+        sess.abort()
+        return process_group.abort_group(sess.spec.epoch)
 
     def join(self, timeout_s: float) -> bool:
         """Wait for the train thread to exit; True if it did."""

@@ -1,0 +1,72 @@
+"""Aborting a gloo process group in flight (no Ray): two ranks block receiving from each
+other, which only the group timeout (60 s) would end; ``abort_group`` on one of them fails
+the operation on both, and the same processes then form the next epoch's group."""
+
+import json
+
+import pytest
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _rank(rank, ports, out_dir):
+    import json
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from raylastic._internal.distributed import process_group as pg
+
+    results = {}
+    for epoch in (1, 2):
+        if rank == 0:  # each epoch's store is hosted by its rank 0, as the controller does
+            port = pg.host_store("127.0.0.1", 2, 60.0)
+            ports.put(port)
+        else:
+            port = ports.get(timeout=60)
+        pg.init_group(epoch=epoch, rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                      backend="gloo", timeout_s=60.0, local_rank=rank, local_world_size=2)
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        results[f"sum{epoch}"] = t.tolist()
+        if epoch == 2:
+            break
+        blocked = threading.Event()
+
+        def abort():
+            blocked.wait(30)
+            results["wrong_epoch_shut"] = pg.abort_group(epoch + 1)
+            results["shut"] = pg.abort_group(epoch)
+            results["aborted_at"] = time.monotonic()
+
+        if rank == 0:  # only rank 0 aborts: rank 1 must fail through its peer's shutdown
+            threading.Thread(target=abort, daemon=True).start()
+        start = time.monotonic()
+        blocked.set()
+        try:
+            dist.recv(torch.zeros(1), src=1 - rank)
+            results["recv"] = "returned"
+        except RuntimeError as e:
+            results["recv"] = "raised" if "closed" in str(e).lower() or "reset" in str(e).lower() else str(e)
+        results["blocked_s"] = time.monotonic() - start
+        pg.destroy_group()
+        pg.release_store()
+    with open(f"{out_dir}/rank{rank}", "w") as fh:
+        fh.write(json.dumps(results))
+    pg.destroy_group()
+
+
+def test_abort_frees_ranks_blocked_on_each_other_and_the_process_joins_the_next_group(tmp_path):
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    mp.spawn(_rank, args=(ports, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}").read_text()) for r in (0, 1))
+    assert r0["wrong_epoch_shut"] == 0  # another epoch's abort touches nothing
+    assert r0["shut"] >= 1  # its connection to rank 1
+    for r in (r0, r1):
+        assert r["recv"] == "raised", r
+        assert r["blocked_s"] < 30, r  # the group timeout is 60 s
+        assert r["sum1"] == [2.0] * 3 and r["sum2"] == [2.0] * 3, r
