@@ -108,3 +108,16 @@ class FitThread(threading.Thread):
 
 def dump(obj: Any) -> str:
     return json.dumps(obj, indent=1, default=str)
+
+
+def hung_replacements(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The ``worker_lost`` events of workers replaced because they did not unwind
+    (``cause: hung``). Each is also raised as a warning with where the worker was stuck
+    (``stuck_at``: its abort's result and its train thread's stack), so a test that
+    tolerates the bounded fallback still shows, in the pytest summary, why it was taken."""
+    import warnings
+
+    hung = [e for e in events if e.get("kind") == EventKind.WORKER_LOST.value and e.get("cause") == "hung"]
+    for e in hung:
+        warnings.warn(f"{e.get('message')}; stuck at:\n{e.get('stuck_at') or '(not recorded)'}", stacklevel=2)
+    return hung

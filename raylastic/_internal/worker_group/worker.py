@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -235,6 +236,13 @@ class TrainWorker:
             return 0
         sess.abort()
         return process_group.abort_group(sess.spec.epoch)
+
+    def train_stack(self, limit: int = 6) -> str:
+        """Where the train thread is now (its innermost ``limit`` frames): said in the
+        event log when the controller replaces a worker that did not unwind."""
+        thread = self._thread
+        frame = sys._current_frames().get(thread.ident) if thread is not None and thread.is_alive() else None
+        return "".join(traceback.format_stack(frame, limit=limit)) if frame is not None else ""
 
     def join(self, timeout_s: float) -> bool:
         """Wait for the train thread to exit; True if it did."""
