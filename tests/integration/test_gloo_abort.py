@@ -42,8 +42,9 @@ def _rank(rank, ports, out_dir):
             results["shut"] = pg.abort_group(epoch)
             results["aborted_at"] = time.monotonic()
 
+        aborter = threading.Thread(target=abort, daemon=True)
         if rank == 0:  # only rank 0 aborts: rank 1 must fail through its peer's shutdown
-            threading.Thread(target=abort, daemon=True).start()
+            aborter.start()
         start = time.monotonic()
         blocked.set()
         try:
@@ -52,6 +53,8 @@ def _rank(rank, ports, out_dir):
         except RuntimeError as e:
             results["recv"] = "raised" if "closed" in str(e).lower() or "reset" in str(e).lower() else str(e)
         results["blocked_s"] = time.monotonic() - start
+        if rank == 0:
+            aborter.join(30)
         pg.destroy_group()
         pg.release_store()
     with open(f"{out_dir}/rank{rank}", "w") as fh:

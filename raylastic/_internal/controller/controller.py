@@ -726,9 +726,13 @@ class Controller:
         timeout_s = JOIN_TIMEOUT_S
         aborts = {}
         if not graceful:
-            aborts = {m.wid: m.actor.abort.remote() for m in members}
+            aborts = {m.wid: m.actor.abort.remote(self._epoch) for m in members}
             timeout_s = max(ABORT_JOIN_MIN_S, ABORT_JOIN_STEPS * self._step_time_s)
         refs = {m.actor.join.remote(timeout_s): m for m in members}
+        # The aborts too: a thread that stopped on its own can join before its abort
+        # ran (actor calls run in a thread pool), and the next group must not form first.
+        if aborts:
+            ray.wait(list(aborts.values()), num_returns=len(aborts), timeout=timeout_s + 5)
         done, not_done = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s + 5)
         stopped, hung = [], [(refs[ref], "did not answer") for ref in not_done]
         for ref in done:
@@ -739,25 +743,32 @@ class Controller:
             except RayActorError:
                 pass
             hung.append((refs[ref], "did not stop in time"))
+        wheres = self._where_stuck([m for m, _why in hung], aborts)
         for m, why in hung:
-            where = self._where_stuck(m, aborts.get(m.wid))
             self._take_last_words(m)
             self._rescue_shards(m, stopped)
-            self._replace(m, why, where)
+            self._replace(m, why, wheres[m.wid])
 
-    def _where_stuck(self, m: WorkerHandle, abort_ref) -> str:
-        """What a worker about to be replaced was doing: how many group connections its
-        abort shut down, and its train thread's innermost frames (for the event log)."""
-        parts = []
-        try:
-            if abort_ref is not None:
-                parts.append(f"abort shut {ray.get(abort_ref, timeout=1.0)} group connection(s)")
-            parts.append(ray.get(m.actor.train_stack.remote(), timeout=ABORT_JOIN_MIN_S))
-        except Exception as e:  # noqa: BLE001 - an actor that does not answer: say so
-            parts.append(f"no answer: {type(e).__name__}")
-        where = "\n".join(p for p in parts if p)
-        logger.warning("replacing rank %s, which did not unwind: %s", m.prev_rank, where)
-        return where
+    def _where_stuck(self, hung: List[WorkerHandle], aborts: Dict[int, Any]) -> Dict[int, str]:
+        """What workers about to be replaced were doing, for the event log: how many
+        group connections each one's abort shut down, and its train thread's innermost
+        frames. Asked of all at once, under one deadline."""
+        stacks = {m.wid: m.actor.train_stack.remote() for m in hung}
+        ray.wait(list(stacks.values()), num_returns=len(stacks), timeout=ABORT_JOIN_MIN_S)
+        out = {}
+        for m in hung:
+            parts = []
+            for label, ref in (("abort shut {} group connection(s)", aborts.get(m.wid)),
+                               ("{}", stacks[m.wid])):
+                if ref is None:
+                    continue
+                try:
+                    parts.append(label.format(ray.get(ref, timeout=0.1)))
+                except Exception as e:  # noqa: BLE001 - an actor that does not answer: say so
+                    parts.append(f"no answer ({type(e).__name__})")
+            out[m.wid] = "\n".join(p for p in parts if p)
+            logger.warning("replacing rank %s, which did not unwind: %s", m.prev_rank, out[m.wid])
+        return out
 
     def _take_last_words(self, m: WorkerHandle) -> None:
         """Collect the reports a worker about to be replaced made since the last poll
@@ -807,7 +818,7 @@ class Controller:
         self._events.emit(EventKind.DECISION, reason, decision="abort")
         for m in members:
             try:
-                m.actor.abort.remote()
+                m.actor.abort.remote(self._epoch)
             except Exception:  # noqa: BLE001
                 pass
 

@@ -9,20 +9,24 @@ different server).
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import socket
-from typing import Dict, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
 _store: Optional[dist.TCPStore] = None
-# The sockets this process opened while joining the current epoch's group (fd -> the
-# /proc link naming the socket's inode), and that epoch: what ``abort_group`` shuts.
-_group_sockets: Dict[int, str] = {}
-_group_epoch: Optional[int] = None
+# (epoch, {fd: inode}): the gloo connections of the current epoch's group, what
+# ``abort_group`` shuts down. One tuple, swapped whole, so an abort never pairs one
+# epoch's number with another's sockets.
+_group_conns: Tuple[Optional[int], Dict[int, int]] = (None, {})
+# How long ranks wait for each other's gloo listener ports after init (they all just
+# finished init, so this is milliseconds unless a rank died in between).
+LISTEN_EXCHANGE_TIMEOUT_S = 5.0
 
 
 def host_store(host: str, world_size: int, timeout_s: float) -> int:
@@ -38,9 +42,9 @@ def host_store(host: str, world_size: int, timeout_s: float) -> int:
 def init_group(*, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int,
                backend: str, timeout_s: float, local_rank: int, local_world_size: int) -> None:
     """Join the epoch's process group (blocks until every rank joined or timeout)."""
-    global _group_sockets, _group_epoch
+    global _group_conns
     destroy_group()
-    before = _socket_fds()
+    before = set(_socket_fds().values())
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0 and _store is not None:
         store = _store
@@ -58,8 +62,73 @@ def init_group(*, epoch: int, rank: int, world_size: int, master_addr: str, mast
         torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
     if backend == "gloo":  # gloo connects its full mesh during init (unless lazy init is on)
-        _group_sockets = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link}
-        _group_epoch = epoch
+        _group_conns = (epoch, _gloo_connections(prefixed, rank, world_size, before))
+
+
+class _Sock(NamedTuple):
+    fd: int
+    inode: int
+    listening: bool
+    local: Tuple[str, int]
+    peer: Optional[Tuple[str, int]]
+
+
+def _gloo_connections(store, rank: int, world_size: int, before: set) -> Dict[int, int]:
+    """The TCP connections of the group just formed: fd -> inode.
+
+    Other threads (uploads, Ray's gRPC, a metadata poller) may open sockets while
+    ``init_process_group`` runs, so "new since before" is not enough: a connection is
+    gloo's when it was accepted on this rank's new gloo listener, or connects to a
+    peer's. Ranks publish their listener addresses in the epoch's store; if a peer's
+    do not come (it died right after init), only accepted connections are kept, which
+    still frees every survivor once all of them abort (each connection between two
+    survivors was accepted by one of them)."""
+    new = _describe(before)
+    mine = sorted({s.local for s in new if s.listening})
+    store.set(f"raylastic/gloo-listen/{rank}", json.dumps(mine))
+    peers: set = set()
+    keys = [f"raylastic/gloo-listen/{r}" for r in range(world_size) if r != rank]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=LISTEN_EXCHANGE_TIMEOUT_S))
+        for k in keys:
+            peers |= {tuple(a) for a in json.loads(store.get(k))}
+    except Exception as e:  # noqa: BLE001 - a peer gone already: keep accepted ones
+        logger.warning("gloo listener ports of the other ranks not found (%s); the abort "
+                       "will shut only connections this rank accepted", e)
+    mine_ports = {p for _h, p in mine}
+
+    def _is_peer(addr: Optional[Tuple[str, int]]) -> bool:
+        return addr is not None and any(
+            addr[1] == p and (h in ("0.0.0.0", "::") or h == addr[0]) for h, p in peers)
+
+    return {s.fd: s.inode for s in new
+            if not s.listening and (s.local[1] in mine_ports or _is_peer(s.peer))}
+
+
+def _describe(before: set) -> List[_Sock]:
+    """The TCP sockets opened since ``before`` (a set of /proc socket links)."""
+    out: List[_Sock] = []
+    for fd, link in _socket_fds().items():
+        if link in before:
+            continue
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+                continue
+            listening = bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+            try:
+                peer = None if listening else s.getpeername()[:2]
+            except OSError:
+                peer = None  # not connected (yet, or any more)
+            out.append(_Sock(fd, os.fstat(s.fileno()).st_ino, listening, s.getsockname()[:2], peer))
+        except OSError:
+            continue
+        finally:
+            s.close()
+    return out
 
 
 def abort_group(epoch: int) -> int:
@@ -73,26 +142,27 @@ def abort_group(epoch: int) -> int:
     peer"), so every survivor's train function unwinds and the process can join the
     next group (measured: two ranks blocked receiving from each other raised within
     milliseconds of the shutdown and then formed a new group). Listening sockets are
-    left alone (gloo aborts the process when its listener fails). A TCP connection
-    another thread of this process opened while the group formed would be shut down too
-    (gRPC, which Ray uses, reconnects). Returns how many
-    connections were shut down; 0 when the group is of another epoch or not gloo, or on
-    a platform without ``/proc/self/fd``; the controller then still replaces a rank
-    that does not unwind.
+    left alone (gloo aborts the process when its listener fails), and so are sockets
+    other threads opened meanwhile (see ``_gloo_connections``). Returns how many
+    connections were shut down; 0 when the group is of another epoch, its backend is
+    not plain ``"gloo"`` (NCCL, or a ``"cpu:gloo,cuda:nccl"`` string), or on a platform
+    without ``/proc/self/fd``. Groups the train function creates itself
+    (``dist.new_group``) or that gloo connects lazily (``TORCH_GLOO_LAZY_INIT``) are not
+    recorded. In all those cases the controller still replaces a rank that does not
+    unwind.
     """
-    if epoch != _group_epoch:
+    group_epoch, conns = _group_conns
+    if epoch != group_epoch:
         return 0
     shut = 0
-    for fd, link in _group_sockets.items():
+    for fd, inode in conns.items():
         try:
-            if os.readlink(f"/proc/self/fd/{fd}") != link:
-                continue  # closed since (gloo drops a pair whose peer vanished), maybe reused
             s = socket.socket(fileno=os.dup(fd))
         except OSError:
-            continue
+            continue  # closed since (gloo drops a pair whose peer vanished)
         try:
-            if (s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM
-                    and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+            # the dup is checked, not the fd number: a closed fd may have been reused
+            if os.fstat(s.fileno()).st_ino == inode:
                 s.shutdown(socket.SHUT_RDWR)  # acts on the connection, not on this dup
                 shut += 1
         except OSError as e:  # already disconnected
@@ -121,8 +191,8 @@ def _socket_fds() -> Dict[int, str]:
 
 def destroy_group() -> None:
     """Leave the current group, if any. Safe to call when none exists."""
-    global _group_sockets, _group_epoch
-    _group_sockets, _group_epoch = {}, None
+    global _group_conns
+    _group_conns = (None, {})
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -224,15 +224,16 @@ class TrainWorker:
         ok = sess.request_stop_at(index)
         return {"ok": ok, "index": sess.current_index()}
 
-    def abort(self) -> int:
-        """Make the train function unwind: at its next ``report()``, and (gloo) at once
-        if it is blocked in a collective: the group's connections are shut down, which
-        fails the operation here and on every peer still in it (see
-        ``process_group.abort_group``). NCCL ranks unwind when NCCL notices the broken
-        connection; ``join`` bounds how long the controller waits. Returns how many
-        connections were shut down."""
+    def abort(self, epoch: Optional[int] = None) -> int:
+        """Make the train function of membership epoch ``epoch`` (None: the current one)
+        unwind: at its next ``report()``, and (gloo) at once if it is blocked in a
+        collective: the group's connections are shut down, which fails the operation here
+        and on every peer still in it (see ``process_group.abort_group``). NCCL ranks
+        unwind when NCCL notices the broken connection; ``join`` bounds how long the
+        controller waits. An abort for another epoch (one that arrives late, after the
+        next group formed) does nothing. Returns how many connections were shut down."""
         sess = self._session
-        if sess is None:
+        if sess is None or (epoch is not None and sess.spec.epoch != epoch):
             return 0
         sess.abort()
         return process_group.abort_group(sess.spec.epoch)
