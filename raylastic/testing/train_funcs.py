@@ -137,7 +137,7 @@ def mlp_bench(config: Dict[str, Any]) -> None:
     for step in range(start + 1, int(config.get("total_steps", 10**9)) + 1):
         if stuck_at is not None and step == int(stuck_at) and ctx.get_membership_epoch() == 1 and rank < 3:
             # rank 0 waits for rank 1, which waits for rank 2 (and 2 for 1): losing rank 2's
-            # node frees rank 1 (its peer's socket closes), never rank 0
+            # node frees rank 1 (its peer's socket closes); only the abort frees rank 0
             dist.recv(torch.zeros(1), src=(1, 2, 1)[rank])
         _maybe_hang(config, step, rank, ctx)
         g = torch.Generator().manual_seed(step * 7919 + rank)

@@ -745,8 +745,8 @@ class Controller:
             hung.append((refs[ref], "did not stop in time"))
         wheres = self._where_stuck([m for m, _why in hung], aborts)
         for m, why in hung:
-            self._take_last_words(m)
-            self._rescue_shards(m, stopped)
+            if self._take_last_words(m):
+                self._rescue_shards(m, stopped)
             self._replace(m, why, wheres[m.wid])
 
     def _where_stuck(self, hung: List[WorkerHandle], aborts: Dict[int, Any]) -> Dict[int, str]:
@@ -770,14 +770,18 @@ class Controller:
             logger.warning("replacing rank %s, which did not unwind: %s", m.prev_rank, out[m.wid])
         return out
 
-    def _take_last_words(self, m: WorkerHandle) -> None:
+    def _take_last_words(self, m: WorkerHandle) -> bool:
         """Collect the reports a worker about to be replaced made since the last poll
         (its actor answers; only its train thread is stuck), so its metrics and
-        checkpoint records are not lost with it; ``_drain_survivors`` ingests them."""
+        checkpoint records are not lost with it; ``_drain_survivors`` ingests them. The
+        poll also refreshes what snapshots it holds. False if it does not answer."""
         try:
-            self._last_words[m.wid] = ray.get(m.actor.poll.remote(), timeout=ABORT_JOIN_MIN_S)
+            last = self._last_words[m.wid] = ray.get(m.actor.poll.remote(), timeout=ABORT_JOIN_MIN_S)
         except Exception as e:  # noqa: BLE001 - a dead or unresponsive actor: nothing to save
             logger.debug("no last reports from rank %s: %s", m.prev_rank, e)
+            return False
+        m.snapshots, m.stripes = list(last.snapshots), dict(last.stripes)
+        return True
 
     def _rescue_shards(self, hung: WorkerHandle, stopped: List[WorkerHandle]) -> None:
         """A worker about to be replaced (its train thread stuck in a collective) still
@@ -786,12 +790,13 @@ class Controller:
         a memory restore into a storage read."""
         if not stopped:
             return
-        try:  # fresh views: snapshots may have completed since the last poll
-            views = ray.get([m.actor.holdings.remote() for m in [hung, *stopped]], timeout=ABORT_JOIN_MIN_S)
+        try:  # fresh views: snapshots may have completed since the last poll (the hung
+            # worker's came with its last words)
+            views = ray.get([m.actor.holdings.remote() for m in stopped], timeout=ABORT_JOIN_MIN_S)
         except Exception as e:  # noqa: BLE001 - the restore then falls back as planned
-            logger.warning("hung rank %s does not answer: %s", hung.prev_rank, e)
+            logger.warning("stopped ranks do not answer: %s", e)
             return
-        for m, view in zip([hung, *stopped], views):
+        for m, view in zip(stopped, views):
             m.snapshots, m.stripes = list(view["snapshots"]), dict(view["stripes"])
         common = [(i, m) for m in stopped for i in set(hung.snapshots) & set(m.snapshots)]
         if not common:

@@ -8,12 +8,13 @@ different server).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import os
 import socket
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -111,12 +112,8 @@ def _describe(before: set) -> List[_Sock]:
     for fd, link in _socket_fds().items():
         if link in before:
             continue
-        try:
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue  # closed meanwhile
-        try:
-            if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+        with _borrowed(fd) as s:
+            if s is None or s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
                 continue
             listening = bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
             try:
@@ -124,11 +121,24 @@ def _describe(before: set) -> List[_Sock]:
             except OSError:
                 peer = None  # not connected (yet, or any more)
             out.append(_Sock(fd, os.fstat(s.fileno()).st_ino, listening, s.getsockname()[:2], peer))
-        except OSError:
-            continue
-        finally:
-            s.close()
     return out
+
+
+@contextlib.contextmanager
+def _borrowed(fd: int) -> Iterator[Optional[socket.socket]]:
+    """A socket object on a dup of ``fd`` (None when ``fd`` is closed), closed after: the
+    original fd stays gloo's. OSErrors inside (a socket gone meanwhile) end the block."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        yield None
+        return
+    try:
+        yield s
+    except OSError as e:
+        logger.debug("fd %s: %s", fd, e)
+    finally:
+        s.close()
 
 
 def abort_group(epoch: int) -> int:
@@ -156,19 +166,11 @@ def abort_group(epoch: int) -> int:
         return 0
     shut = 0
     for fd, inode in conns.items():
-        try:
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue  # closed since (gloo drops a pair whose peer vanished)
-        try:
+        with _borrowed(fd) as s:  # None: closed since (gloo drops a pair whose peer vanished)
             # the dup is checked, not the fd number: a closed fd may have been reused
-            if os.fstat(s.fileno()).st_ino == inode:
+            if s is not None and os.fstat(s.fileno()).st_ino == inode:
                 s.shutdown(socket.SHUT_RDWR)  # acts on the connection, not on this dup
                 shut += 1
-        except OSError as e:  # already disconnected
-            logger.debug("fd %s: %s", fd, e)
-        finally:
-            s.close()
     return shut
 
 
