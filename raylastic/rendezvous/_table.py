@@ -2,6 +2,7 @@
 
 - ``TableOps``: one ``TableClient`` with bounded retries; Azure exceptions become
   ``RendezvousConnectionError`` (cause and fix in the message, secrets redacted).
+- ``is_entity_tag``: whether a fencing token can be an ETag the service issued.
 - ``pack_chunks`` / ``unpack_chunks``: a byte string spread over 64 KiB binary properties.
 """
 
@@ -43,8 +44,15 @@ def redact(text: str) -> str:
     return text
 
 
-def _status(exc: BaseException) -> Optional[int]:
+def http_status(exc: BaseException) -> Optional[int]:
     return getattr(exc, "status_code", None)
+
+
+def is_expected(exc: BaseException) -> bool:
+    """409, 404 and 412: outcomes of a conditional request, not failures of the service."""
+    from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
+
+    return isinstance(exc, (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError))
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -52,7 +60,7 @@ def is_transient(exc: BaseException) -> bool:
 
     if isinstance(exc, (ServiceRequestError, ServiceResponseError)):
         return True
-    return isinstance(exc, HttpResponseError) and _status(exc) in _TRANSIENT_STATUS
+    return isinstance(exc, HttpResponseError) and http_status(exc) in _TRANSIENT_STATUS
 
 
 def _dns_error(exc: BaseException) -> bool:
@@ -62,7 +70,7 @@ def _dns_error(exc: BaseException) -> bool:
 
 def _hint(exc: BaseException, where: str) -> str:
     msg = str(exc)
-    status = _status(exc)
+    status = http_status(exc)
     if _dns_error(exc):
         return f"cannot resolve the host of {where}: check the storage account name in --rdzv-endpoint"
     if "Connection refused" in msg or "Failed to establish" in msg:
@@ -71,7 +79,7 @@ def _hint(exc: BaseException, where: str) -> str:
         return f"{where} rejected the credentials: {CREDENTIAL_HELP}"
     if status == 404:
         return f"{where} does not exist: check the account name in --rdzv-endpoint"
-    return f"request to {where} failed"
+    return f"request to {where} failed" + (f" with HTTP {status}" if status else "")
 
 
 def table_missing(exc: BaseException) -> bool:
@@ -126,13 +134,13 @@ class TableOps:
         *,
         budget_s: Optional[float] = None,
         retryable: Callable[[BaseException], bool] = is_transient,
+        expected: Callable[[BaseException], bool] = is_expected,
     ) -> T:
         """Run ``fn``; retry ``retryable`` errors until the budget is spent; map the rest.
 
-        Expected outcomes (409, 404, 412) are raised unchanged for the caller to interpret.
+        ``expected`` outcomes (by default 409, 404, 412) are raised unchanged for the caller to
+        interpret.
         """
-        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
-
         budget = self.retry.budget_s if budget_s is None else budget_s
         deadline = time.monotonic() + budget
         backoff = self.retry.first_backoff_s
@@ -141,9 +149,9 @@ class TableOps:
             attempt += 1
             try:
                 return fn()
-            except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError):
-                raise
             except Exception as exc:  # noqa: BLE001 - classified below
+                if expected(exc):
+                    raise
                 if not retryable(exc):
                     raise RendezvousConnectionError(
                         f"Azure Table {what} failed: {describe(exc, self.where)}"
@@ -177,7 +185,7 @@ class TableOps:
             except ResourceExistsError:
                 pass
             except HttpResponseError as exc:
-                if _status(exc) != 403:
+                if http_status(exc) != 403:
                     raise
                 # A SAS scoped to one table may not create tables: fine if the table exists.
                 # Reading a row that is never written tells "table there" (entity 404) apart.
@@ -205,6 +213,18 @@ class TableOps:
 
     def close(self) -> None:
         self.client.close()
+
+
+# -- fencing tokens ------------------------------------------------------------------------------
+# RFC 9110 entity-tag: optional weak prefix, then printable ASCII other than '"' between quotes. The
+# Table service issues weak ones (W/"datetime'...'"); which well-formed tags match stays its call.
+_ENTITY_TAG = re.compile(r'(W/)?"[\x21\x23-\x7e]*"')
+
+
+def is_entity_tag(token: object) -> bool:
+    """Whether ``token`` may be sent as ``If-Match``: a str entity-tag (so never ``*``, which
+    matches any entity, never empty, never a header-breaking or non-ASCII string)."""
+    return isinstance(token, str) and _ENTITY_TAG.fullmatch(token) is not None
 
 
 # -- chunked values ------------------------------------------------------------------------------

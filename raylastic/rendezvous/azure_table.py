@@ -2,7 +2,8 @@
 
 The rendezvous state of a run is one entity (PartitionKey ``run-<rdzv-id>``, RowKey ``state``);
 its ETag is the fencing token: ``set_state`` is a conditional replace (``If-Match``), a stale token
-fails with 412 and the caller gets the current state back. Nothing lives on a node, so losing any
+fails with 412 and the caller gets the current state back, as it does for a token the table never
+issued (checked here, or refused by the service with 400). Nothing lives on a node, so losing any
 node (rank 0 included) loses nothing: every round re-forms from the table.
 
 The control-plane key/value store that torchelastic also needs (rank assignment, master address,
@@ -19,11 +20,15 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Callable, Mapping, Optional
 
 # Import from submodules only: torch loads this module (entry point) while its
 # torch.distributed.elastic.rendezvous package is still initialising.
-from torch.distributed.elastic.rendezvous.api import RendezvousParameters, RendezvousStateError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -32,7 +37,17 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as _dynamic_handler
 
 from raylastic.rendezvous._endpoint import parse_endpoint, resolve_credential
-from raylastic.rendezvous._table import RetrySettings, TableOps, pack_chunks, partition_key, unpack_chunks
+from raylastic.rendezvous._table import (
+    RetrySettings,
+    TableOps,
+    describe,
+    http_status,
+    is_entity_tag,
+    is_expected,
+    pack_chunks,
+    partition_key,
+    unpack_chunks,
+)
 from raylastic.rendezvous.azure_store import AzureTableStore
 
 __all__ = [
@@ -79,10 +94,15 @@ class AzureTableRendezvousBackend(RendezvousBackend):
         return unpack_chunks(entity, "s", self._what), entity.metadata["etag"]
 
     def set_state(self, state: bytes, token: Optional[Token] = None) -> Optional[tuple[bytes, Token, bool]]:
-        from azure.core import MatchConditions
-        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
-        from azure.data.tables import UpdateMode
+        """See ``RendezvousBackend.set_state``; the token is the entity's ETag.
 
+        - No token: insert, only if there is no state yet. A falsy token (``""``, ``b""``) means
+          the same, as in torch's c10d and etcd backends.
+        - A token the table never issued (not a str entity-tag, e.g. ``"invalid"``, or the
+          wildcard ``*``) is never sent; one the service refuses as malformed (400) or as stale
+          (412) does not match either: the current state comes back with ``False``, or None when
+          there is none. Only a failure to reach the service is ``RendezvousConnectionError``.
+        """
         entity = {
             "PartitionKey": self._pk,
             "RowKey": STATE_ROW,
@@ -91,31 +111,65 @@ class AzureTableRendezvousBackend(RendezvousBackend):
             **pack_chunks(state, "s", self._what),
         }
         client = self._ops.client
+        if not token:
+            return self._write(state, "create_entity", lambda: client.create_entity(entity))
+        if not is_entity_tag(token):
+            return self._refused(token)
+        from azure.core import MatchConditions
+        from azure.data.tables import UpdateMode
+
+        return self._write(
+            state, "update_entity",
+            lambda: client.update_entity(
+                entity, mode=UpdateMode.REPLACE, etag=token, match_condition=MatchConditions.IfNotModified,
+            ),
+            token=token,
+        )
+
+    def _write(
+        self, state: bytes, what: str, request: Callable[[], Mapping[str, Any]], token: Optional[str] = None
+    ) -> Optional[tuple[bytes, Token, bool]]:
+        """Send ``request``; a 409/412/404 or (with a token) a 400 means it changed nothing."""
+        from azure.core.exceptions import HttpResponseError
+
+        attempts = 0
+
+        def send() -> Mapping[str, Any]:
+            nonlocal attempts
+            attempts += 1
+            return request()
+
         try:
-            if token is None:
-                meta = self._ops.call("create_entity", lambda: client.create_entity(entity))
-            elif isinstance(token, str):
-                meta = self._ops.call(
-                    "update_entity",
-                    lambda: client.update_entity(
-                        entity, mode=UpdateMode.REPLACE, etag=token,
-                        match_condition=MatchConditions.IfNotModified,
-                    ),
-                )
-            else:  # a token we never issued cannot match
-                return self._current(state)
-        except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError):
-            return self._current(state)
+            meta = self._ops.call(
+                what, send, expected=lambda exc: is_expected(exc) or (token is not None and http_status(exc) == 400)
+            )
+        except HttpResponseError as exc:
+            if is_expected(exc):  # 409 (exists), 412 (stale token), 404 (no state to replace)
+                return self._current(state, retried=attempts > 1)
+            return self._refused(token, exc)
         return state, meta["etag"], True
 
-    def _current(self, attempted: bytes) -> Optional[tuple[bytes, Token, bool]]:
-        """The stored state after a lost race. A retried write whose first attempt did land
-        (412/409 on our own write) reads back our bytes, so it still counts as a success."""
+    def _current(self, attempted: bytes, retried: bool) -> Optional[tuple[bytes, Token, bool]]:
+        """The stored state after a lost race. Only a retried write can have lost to itself (the
+        first attempt landed, its answer did not): then reading back our bytes is a success."""
         current = self.get_state()
         if current is None:
             return None
         state, token = current
-        return state, token, state == attempted
+        return state, token, retried and state == attempted
+
+    def _refused(self, token: Token, bad_request: Optional[Exception] = None) -> Optional[tuple[bytes, Token, bool]]:
+        """The stored state for a token that was never sent, or that the service called malformed
+        (``bad_request``, HTTP 400). The server stays the judge: if the 400 came back although
+        ``token`` IS the current ETag, the entity itself was refused, and that is an error."""
+        current = self.get_state()
+        if current is None:
+            return None
+        if bad_request is not None and current[1] == token:
+            raise RendezvousConnectionError(
+                f"Azure Table update_entity of {self._what} failed: {describe(bad_request, self._ops.where)}"
+            )
+        return *current, False
 
 
 @dataclass(frozen=True)

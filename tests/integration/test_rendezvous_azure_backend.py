@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 import uuid
@@ -43,22 +44,187 @@ def _run_id() -> str:
     return f"run-{uuid.uuid4().hex[:8]}"
 
 
-def test_get_set_round_trip_with_fencing_token(azurite):
-    backend = AzureTableRendezvousBackend(_ops(azurite), _run_id())
-    assert backend.get_state() is None
+# -- torch's RendezvousBackend contract, clause by clause ----------------------------------------
+# (dynamic_rendezvous.RendezvousBackend.set_state; torch's c10d and etcd backends are the reference)
+
+
+def _backend(az: Azurite) -> AzureTableRendezvousBackend:
+    return AzureTableRendezvousBackend(_ops(az), _run_id())
+
+
+def test_get_state_is_none_before_any_write(azurite):
+    assert _backend(azurite).get_state() is None
+
+
+def test_set_state_without_token_creates_only_when_empty(azurite):
+    backend = _backend(azurite)
     state, token, ok = backend.set_state(b"v1")
-    assert (state, ok) == (b"v1", True)
+    assert (state, ok) == (b"v1", True) and backend.get_state() == (b"v1", token)
+    # token=None only creates: the existing state and its token come back, unchanged.
+    assert backend.set_state(b"v2") == (b"v1", token, False)
+    assert backend.get_state() == (b"v1", token)
+    assert backend.name == "azure-table"
+
+
+def test_set_state_with_the_current_token_replaces_and_issues_a_new_token(azurite):
+    backend = _backend(azurite)
+    _, token, _ = backend.set_state(b"v1")
+    state, token2, ok = backend.set_state(b"v2", token)
+    assert (state, ok) == (b"v2", True) and token2 != token
+    assert backend.get_state() == (b"v2", token2)
+    assert backend.set_state(b"v3", token2)[2]  # and the new token works in turn
+
+
+def test_set_state_with_a_stale_token_returns_the_current_state(azurite):
+    mine = _backend(azurite)
+    _, stale, _ = mine.set_state(b"v1")
+    other = AzureTableRendezvousBackend(mine._ops, mine._run_id)  # another agent, same run
+    _, current, ok = other.set_state(b"v2", stale)
+    assert ok
+    assert mine.set_state(b"v3", stale) == (b"v2", current, False)
+    assert mine.get_state() == (b"v2", current)
+
+
+def _never_issued(current: str) -> list:
+    """Tokens the table never issued for the current state: malformed, wildcard, foreign, other types."""
+    return [
+        "invalid",  # Azurite: 400 InvalidInput
+        "*",  # If-Match: * would match ANY entity: it must never reach the service
+        '"x"', current.replace("W/", "", 1),  # strong ETags: 400 InvalidInput
+        'W/"whatever"', "W/\"datetime'garbage'\"",  # well formed, never issued: 412
+        "a\nb", " " + current, "\u00e9t\u00e9", 'W/"a"b"',  # not an entity-tag (a\nb: SDK error)
+        os.urandom(24).decode("latin-1"),  # random garbage
+        current.encode(), b"foreign", 42, 3.5, (current,), object(),  # tokens are str
+    ]
+
+
+def test_set_state_with_a_never_issued_token_returns_the_current_state(azurite):
+    backend = _backend(azurite)
+    _, token, _ = backend.set_state(b"v1")
+    for bad in _never_issued(token):
+        assert backend.set_state(b"v2", bad) == (b"v1", token, False), repr(bad)
+        # Writing the bytes that are already stored does not turn a refused write into a success.
+        assert backend.set_state(b"v1", bad) == (b"v1", token, False), repr(bad)
     assert backend.get_state() == (b"v1", token)
 
-    state2, token2, ok = backend.set_state(b"v2", token)
-    assert (state2, ok) == (b"v2", True) and token2 != token
-    # A stale token loses and gets the current state back.
-    assert backend.set_state(b"v3", token) == (b"v2", token2, False)
-    # token=None only creates: the existing state wins.
-    assert backend.set_state(b"v4") == (b"v2", token2, False)
-    # A token this backend never issued cannot match.
-    assert backend.set_state(b"v5", b"foreign") == (b"v2", token2, False)
-    assert backend.name == "azure-table"
+
+def test_set_state_with_a_never_issued_token_and_no_state_returns_none(azurite):
+    backend = _backend(azurite)
+    probe = _backend(azurite)
+    _, token, _ = probe.set_state(b"elsewhere")  # a real token, of another run
+    for bad in _never_issued(token) + [token]:
+        assert backend.set_state(b"v1", bad) is None, repr(bad)
+    assert backend.get_state() is None
+
+
+@pytest.mark.parametrize("empty", ["", b""], ids=["str", "bytes"])
+def test_an_empty_token_means_no_token_as_in_torchs_backends(azurite, empty):
+    # torch's c10d and etcd backends test ``if token:``: a falsy token is "create if absent".
+    backend = _backend(azurite)
+    state, token, ok = backend.set_state(b"v1", empty)
+    assert (state, ok) == (b"v1", True)
+    assert backend.set_state(b"v2", empty) == (b"v1", token, False)
+
+
+def test_a_rejected_write_with_the_current_token_is_a_connection_error(azurite):
+    """A 400 that is not about the token (here: a 64 KiB+ property) must not read as a lost race."""
+    from raylastic.rendezvous._table import pack_chunks
+
+    ops = _ops(azurite)
+    backend = AzureTableRendezvousBackend(ops, "r" * 40_000)  # RunId property > 64 KiB: 400
+    with pytest.raises(RendezvousConnectionError, match="HTTP 400"):
+        backend.set_state(b"v1")
+    meta = ops.client.create_entity(
+        {"PartitionKey": backend._pk, "RowKey": "state", "Format": 1, **pack_chunks(b"v1", "s", "s")}
+    )
+    assert backend.get_state() == (b"v1", meta["etag"])
+    with pytest.raises(RendezvousConnectionError, match="HTTP 400.*exceeds"):
+        backend.set_state(b"v2", meta["etag"])
+    stale = 'W/"whatever"'  # a stale token first gets the current state, then the same error
+    assert backend.set_state(b"v2", stale) == (b"v1", meta["etag"], False)
+
+
+class _DropOneReply:
+    """A TCP relay to Azurite. Once ``armed``, it delivers the next PUT to Azurite and then cuts
+    the connection instead of relaying the answer: the write lands, the client never hears it."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.armed, self.dropped = threading.Event(), threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self._port), timeout=10)
+            drop = threading.Event()
+            threading.Thread(target=self._pump, args=(client, upstream, drop, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, drop, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, drop: threading.Event, request: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if request and data.startswith(b"PUT ") and self.armed.is_set():
+                    self.armed.clear()
+                    drop.set()
+                if not request and drop.is_set():
+                    self.dropped.set()
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_a_retried_write_that_landed_the_first_time_is_a_success(azurite):
+    """The one case where a 412 reads as success: our first attempt was applied but its answer
+    was lost, so the retry fails against our own write (it finds our bytes stored)."""
+    relay = _DropOneReply(azurite.table_port)
+    try:
+        ops = TableOps(
+            parse_endpoint(f"http://127.0.0.1:{relay.port}/{azurite.account_name}", "rdzvtests"),
+            AzureNamedKeyCredential(azurite.account_name, azurite.account_key),
+            RetrySettings(budget_s=10.0, request_timeout_s=5.0),
+        )
+        ops.ensure_table()
+        backend = AzureTableRendezvousBackend(ops, _run_id())
+        _, token, _ = backend.set_state(b"v1")
+        relay.armed.set()
+        state, token2, ok = backend.set_state(b"v2", token)
+        assert relay.dropped.is_set(), "the relay did not cut the first answer"
+        assert (state, ok) == (b"v2", True) and token2 != token
+        assert backend.get_state() == (b"v2", token2)
+    finally:
+        relay.close()
+
+def test_concurrent_creators_without_token_have_one_winner(azurite):
+    ops, run_id = _ops(azurite), _run_id()
+    n = 6
+    barrier = threading.Barrier(n)
+    results: list = [None] * n
+
+    def writer(i: int) -> None:
+        barrier.wait(timeout=30)
+        results[i] = AzureTableRendezvousBackend(ops, run_id).set_state(f"creator{i}".encode())
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    [t.join(timeout=60) for t in threads]
+    assert sum(r[2] for r in results) == 1, results
+    assert len({(r[0], r[1]) for r in results}) == 1, "everyone sees the winner's state and token"
 
 
 def test_concurrent_set_state_with_the_same_token_has_one_winner(azurite):
@@ -70,7 +236,7 @@ def test_concurrent_set_state_with_the_same_token_has_one_winner(azurite):
         results: list = [None] * n
 
         def writer(i: int) -> None:
-            barrier.wait()
+            barrier.wait(timeout=30)
             results[i] = backend.set_state(f"round{round_}-writer{i}".encode(), token)
 
         threads = [threading.Thread(target=writer, args=(i,)) for i in range(n)]
@@ -124,8 +290,9 @@ def test_errors_are_mapped_when_azurite_is_down_and_retried_until_it_is_back():
             backend.get_state()
         assert time.monotonic() - started < 10
         assert "nothing answers at" in str(info.value) and "retry_timeout" in str(info.value)
-        with pytest.raises(RendezvousConnectionError):
-            backend.set_state(b"y", "W/\"whatever\"")
+        for token in ("W/\"whatever\"", "invalid", None):  # never "lost the race" while down
+            with pytest.raises(RendezvousConnectionError):
+                backend.set_state(b"y", token)
         # A transient outage shorter than the budget is retried with backoff and succeeds.
         restarter = threading.Timer(1.0, az.start)
         restarter.start()

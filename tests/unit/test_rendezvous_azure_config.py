@@ -15,6 +15,7 @@ from raylastic.rendezvous._table import (
     CHUNK_BYTES,
     MAX_CHUNKS,
     RetrySettings,
+    is_entity_tag,
     pack_chunks,
     partition_key,
     redact,
@@ -147,6 +148,20 @@ def test_corrupt_chunks_raise_state_error(damage):
     with pytest.raises(RendezvousStateError, match="corrupt"):
         unpack_chunks(props, "s", "state")
 
+
+@pytest.mark.parametrize(
+    "token, ok",
+    [
+        ("W/\"datetime'2026-11-24T08%3A18%3A18.8331252Z'\"", True),  # what the Table service issues
+        ('"strong"', True), ('W/""', True),  # well formed: the service decides whether they match
+        ("*", False),  # If-Match: * matches any entity and would bypass the fence
+        ("", False), ("invalid", False), ('W/"a"b"', False), ('W/"a b"', False), ('"x"\r\nX: y', False),
+        (' W/"x"', False), ('W/"\u00e9"', False), ("W/'x'", False),
+        (b'W/"x"', False), (42, False), (None, False),
+    ],
+)
+def test_only_str_entity_tags_are_sent_as_if_match(token, ok):
+    assert is_entity_tag(token) is ok
 
 def test_partition_key_is_table_safe():
     assert partition_key("job-42") == "run-job-42"
