@@ -12,6 +12,12 @@ import json
 import sys
 from typing import List, Optional, Sequence
 
+from raylastic.reporting.loading import NotARunError, load_run
+from raylastic.reporting.model import build_report
+from raylastic.reporting.plots import write_plots
+from raylastic.reporting.prices import read_prices_arg
+from raylastic.reporting.render import render_text
+
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 PROG = "raylastic report"
 
@@ -60,8 +66,8 @@ def _error(msg: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # The storage seam imports pyarrow (~0.2 s): not for `--help` or a usage error.
     from raylastic.checkpoint.storage import StorageError
-    from raylastic.reporting.model import NotARunError, build_report, load_run, read_prices_arg
 
     prices = None
     if args.prices:
@@ -83,12 +89,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=2, sort_keys=False, default=str))
     else:
-        from raylastic.reporting.render import render_text
-
         sys.stdout.write(render_text(report))
     if args.plots:
-        from raylastic.reporting.plots import write_plots
-
         try:
             paths = write_plots(report, args.plots)
         except (RuntimeError, OSError) as e:

@@ -1,313 +1,55 @@
 """What elasticity did and what it cost: a pure function from a run's event log and
-metrics to a frozen :class:`RunReport`, plus loading them from any storage path.
+metrics to a frozen :class:`~raylastic.reporting.records.RunReport`.
 
 Every number is derived from ``events.jsonl`` and ``metrics.jsonl`` alone (see
 docs/events.md for the schema and docs/report.md for every formula). Times in the report
-are seconds since the run's first event. Nothing here imports Ray or torch.
+are seconds since the run's first event. Nothing here imports Ray or torch. The passes
+run in order, each over plain records: sessions and the membership walk (``_walk``),
+step times (``_steps``), node-hours and the cost series (``_nodes``), then the cost
+against the on-demand baseline and the checkpoint statistics here.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import math
 import statistics
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from raylastic.events import EVENTS_FILE, METRICS_FILE, read_jsonl
+from raylastic.events import EventKind
+from raylastic.reporting import _nodes, _steps, _walk
+from raylastic.reporting._walk import kind_of
+from raylastic.reporting.loading import NotARunError
+from raylastic.reporting.prices import Prices, effective_prices
+from raylastic.reporting.records import NodeTypeUsage, RunReport, Series
 
-__all__ = [
-    "SCHEMA_VERSION", "JSON_KEYS", "NotARunError", "Prices", "RunData", "RunReport",
-    "build_report", "load_run", "parse_prices", "read_prices_arg",
-]
+# The run's status from its last session boundary: a run_started after the last
+# run_finished/run_failed means a resumed run that has not ended (yet).
+_SESSION_ENDS = {EventKind.RUN_FINISHED: "finished", EventKind.RUN_FAILED: "failed",
+                 EventKind.RUN_STARTED: "incomplete"}
 
-SCHEMA_VERSION = 1
-DEFAULT_NODE_TYPE = "default"  # node-hours of workers whose worker_ready has no node_type
-PRICE_KINDS = ("price_table", "prices")  # "prices" is PriceTable.to_record()'s kind
-_SKEW_S = 2.0  # tolerated clock skew between rank 0 (metrics ts) and the controller
-
-JSON_KEYS = (
-    "schema_version", "run_path", "status", "error", "start_ts", "end_ts", "wall_s",
-    "productive_step_s", "goodput", "steps", "world_size_timeline", "recoveries", "resizes",
-    "checkpoints", "node_hours", "prices", "cost_usd", "on_demand_type", "on_demand_cost_usd",
-    "savings_usd", "savings_pct", "productive_worker_s", "notes",
-)
-
-
-class NotARunError(ValueError):
-    """The path holds no raylastic run (no readable events.jsonl)."""
-
-
-# ----------------------------------------------------------------------------- prices
-
-@dataclass(frozen=True)
-class Prices:
-    """USD per node-hour per node type, each type's market, and the baseline's type."""
-
-    usd_per_hour: Dict[str, float] = field(default_factory=dict)
-    markets: Dict[str, str] = field(default_factory=dict)
-    on_demand_type: Optional[str] = None
-    source: str = ""
-
-    def merged(self, override: Optional["Prices"]) -> "Prices":
-        """``override`` (e.g. --prices) wins key by key."""
-        if override is None:
-            return self
-        return Prices({**self.usd_per_hour, **override.usd_per_hour},
-                      {**self.markets, **override.markets},
-                      override.on_demand_type or self.on_demand_type,
-                      " + ".join(s for s in (self.source, override.source) if s))
-
-
-def parse_prices(obj: Any, source: str) -> Prices:
-    """A flat ``{node_type: usd_per_hour}`` mapping, or a ``price_table`` record
-    (``usd_per_hour``, ``markets``, ``on_demand_type``). ValueError names the bad entry."""
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"{source}: prices must be a JSON object (node type -> USD per hour)")
-    record = "usd_per_hour" in obj
-    table = obj.get("usd_per_hour") if record else obj
-    if not isinstance(table, Mapping):
-        raise ValueError(f"{source}: usd_per_hour must be an object (node type -> USD per hour)")
-    usd = {}
-    for name, price in table.items():
-        if isinstance(price, bool) or not isinstance(price, (int, float)) or not (
-                math.isfinite(price) and price >= 0):
-            raise ValueError(f"{source}: price for node type {name!r} is {price!r}; "
-                             "use a finite number of USD per hour >= 0")
-        usd[str(name)] = float(price)
-    markets = dict(obj.get("markets") or {}) if record else {}
-    for name, market in markets.items():
-        if market not in ("spot", "on_demand"):
-            raise ValueError(f"{source}: market of {name!r} is {market!r}; use 'spot' or 'on_demand'")
-    od = obj.get("on_demand_type") if record else None
-    return Prices(usd, markets, od, str(obj.get("source") or source) if record else source)
-
-
-def read_prices_arg(arg: str) -> Prices:
-    """``--prices``: inline JSON (starts with ``{``) or a path to a JSON file."""
-    text, source = arg, "--prices"
-    if not arg.lstrip().startswith("{"):
-        try:
-            with open(arg, encoding="utf-8") as fh:
-                text, source = fh.read(), arg
-        except OSError as e:
-            raise ValueError(f"--prices {arg!r}: not inline JSON and not a readable file "
-                             f"({e.strerror or e})") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--prices ({source}) is not valid JSON: {e}") from None
-    return parse_prices(obj, source)
-
-
-# ----------------------------------------------------------------------------- loading
-
-@dataclass(frozen=True)
-class RunData:
-    path: str
-    events: List[Dict[str, Any]]
-    metrics: List[Dict[str, Any]]
-    notes: Tuple[str, ...] = ()
-
-
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: List[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@contextmanager
-def _captured_warnings() -> Iterator[List[str]]:
-    """read_jsonl warns through the 'raylastic' logger; keep those as report notes."""
-    log, handler = logging.getLogger("raylastic"), _Capture()
-    log.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        log.removeHandler(handler)
-
-
-def load_run(path: str) -> RunData:
-    """Read a run directory (local path, file://, s3://, gs://, abfs://, az://).
-
-    NotARunError when there is no event log (naming runs found one level below);
-    ValueError for a corrupt line that is not the last one; StorageError from the store."""
-    from raylastic.checkpoint.storage import Storage
-
-    storage = Storage(path)
-    try:
-        raw = storage.read_bytes(EVENTS_FILE)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        raise NotARunError(_not_a_run_message(storage, path)) from None
-    try:
-        metrics_raw = storage.read_bytes(METRICS_FILE)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        metrics_raw = b""
-    with _captured_warnings() as notes:
-        events = [e for e in read_jsonl(raw.decode("utf-8", "replace"), f"{path}/{EVENTS_FILE}")
-                  if isinstance(e, dict) and "ts" in e and "kind" in e]
-        metrics = [m for m in read_jsonl(metrics_raw.decode("utf-8", "replace"),
-                                         f"{path}/{METRICS_FILE}")
-                   if isinstance(m, dict) and "ts" in m and "index" in m]
-    if not events:
-        raise NotARunError(f"{path}: {EVENTS_FILE} holds no events (the run never started, "
-                           "or the file is not a raylastic event log)")
-    if not metrics_raw:
-        notes.append(f"no {METRICS_FILE} in {path}: steps and goodput are unknown")
-    return RunData(path, events, metrics, tuple(notes))
-
-
-def _not_a_run_message(storage, path: str) -> str:
-    head = f"{path} is not a raylastic run directory: it has no {EVENTS_FILE}"
-    try:
-        children = storage.list_dir("")
-    except Exception:  # noqa: BLE001 - the hint is best effort
-        children = []
-    if not children and not storage.exists(""):
-        return f"{path} does not exist (expected a run directory <storage_path>/<name>)"
-    runs = [c for c in children[:50] if _safe_exists(storage, f"{c}/{EVENTS_FILE}")]
-    if runs:
-        shown = ", ".join(runs[:10]) + (" ..." if len(runs) > 10 else "")
-        return (f"{head}; it looks like a storage_path holding runs: {shown}. "
-                f"Try: raylastic report {path.rstrip('/')}/{runs[0]}")
-    return f"{head} (expected <storage_path>/<name>/{EVENTS_FILE}, written by fit())"
-
-
-def _safe_exists(storage, rel: str) -> bool:
-    try:
-        return storage.exists(rel)
-    except Exception:  # noqa: BLE001
-        return False
-
-
-# ----------------------------------------------------------------------------- report values
-
-@dataclass(frozen=True)
-class Segment:
-    """One membership epoch: ``world_size`` workers trained from ``start_s`` to ``end_s``."""
-    epoch: int
-    world_size: int
-    start_s: float
-    end_s: float
-    restore_index: int
-    ended_by: str
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """Workers lost (or a rank failed) -> training resumed. Losses before training resumed
-    are merged into one recovery."""
-    at_s: float
-    cause: str
-    nodes: Tuple[str, ...]
-    detection_s: float
-    recovery_s: Optional[float]
-    steps_lost: int
-    reached_index: Optional[int]
-    restore_index: Optional[int]
-    world_size_before: Optional[int]
-    world_size_after: Optional[int]
-    reason: str
-
-
-@dataclass(frozen=True)
-class Resize:
-    at_s: float
-    graceful: bool
-    from_world_size: Optional[int]
-    to_world_size: Optional[int]
-    lost_steps: int
-    resize_s: Optional[float]
-    pause_s: Optional[float]
-    reached_index: Optional[int]
-    reason: str
-
-
-@dataclass(frozen=True)
-class NodeTypeUsage:
-    market: Optional[str]
-    nodes: int
-    hours: float
-    usd_per_hour: Optional[float]
-    cost_usd: Optional[float]
-
-
-@dataclass(frozen=True)
-class Series:
-    """Plot data (not part of --json)."""
-    loss: Tuple[Tuple[float, int, float, bool], ...]  # (t_s, index, value, kept)
-    cost: Tuple[Tuple[float, float, Optional[float], Optional[float]], ...]  # t, node-h, cost, baseline
-    loss_key: str = "loss"
-
-
-@dataclass(frozen=True)
-class RunReport:
-    run_path: str
-    status: str  # finished | failed | incomplete
-    error: Optional[str]
-    start_ts: float
-    end_ts: float
-    wall_s: float
-    productive_step_s: float
-    goodput: Optional[float]
-    steps: Dict[str, Optional[int]]
-    world_size_timeline: Tuple[Segment, ...]
-    recoveries: Tuple[Recovery, ...]
-    resizes: Tuple[Resize, ...]
-    checkpoints: Dict[str, Any]
-    node_hours: Dict[str, NodeTypeUsage]
-    prices: Optional[Dict[str, Any]]
-    cost_usd: Optional[float]
-    on_demand_type: Optional[str]
-    on_demand_cost_usd: Optional[float]
-    savings_usd: Optional[float]
-    savings_pct: Optional[float]
-    productive_worker_s: float
-    notes: Tuple[str, ...]
-    series: Series = field(repr=False, compare=False, default=Series((), ()))
-
-    def to_json(self) -> Dict[str, Any]:
-        """A JSON-ready dict with the keys of :data:`JSON_KEYS`, in that order."""
-        d = asdict(self)
-        d.pop("series")
-        d["schema_version"] = SCHEMA_VERSION
-        d["notes"] = list(self.notes)
-        return {k: d[k] for k in JSON_KEYS}
-
-
-# ----------------------------------------------------------------------------- computing
 
 def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[str, Any]],
                  prices: Optional[Prices] = None, *, run_path: str = "",
                  on_demand_type: Optional[str] = None, loss_key: str = "loss",
                  notes: Sequence[str] = ()) -> RunReport:
     """The report of one run. ``prices`` (e.g. from --prices) override the event log's."""
-    from raylastic.reporting import _timeline as tl
-
     events = [e for e in events if isinstance(e.get("ts"), (int, float))]
     if not events:
         raise NotARunError(f"{run_path or 'run'}: no events")
     notes = list(notes)
     t0 = float(events[0]["ts"])
-    sessions = tl.sessions(events, metrics)
+    sessions = _walk.sessions(events, metrics)
     wall_s = sum(end - start for start, end in sessions)
-    walk = tl.walk(events, metrics, sessions, t0)
-    steps_info = tl.step_times(metrics, walk.groups)
-    nodes = tl.node_intervals(events, sessions)
+    walk = _walk.walk(events, metrics, sessions, t0)
+    steps_info = _steps.step_times(metrics, walk.groups)
+    nodes = _nodes.node_intervals(events, sessions)
     if nodes.approximated:
         notes.append("no worker_ready events (older run): node-hours are approximated from "
                      "group membership (group_formed.nodes)")
-    effective = _effective_prices(events, prices)
+    effective = effective_prices(events, prices)
     cost = _cost(nodes, effective, steps_info.productive_worker_s, on_demand_type, notes)
-    last_finish = next((e for e in reversed(events) if e["kind"] in ("run_finished", "run_failed",
-                                                                     "run_started")), None)
-    status = {"run_finished": "finished", "run_failed": "failed"}.get(
-        last_finish["kind"] if last_finish else "", "incomplete")
+    last_finish = next((e for e in reversed(events) if kind_of(e) in _SESSION_ENDS), None)
+    status = _SESSION_ENDS.get(kind_of(last_finish) if last_finish else None, "incomplete")
     error = str(last_finish.get("message") or last_finish.get("error")) if status == "failed" else None
     if status == "incomplete":
         notes.append("the run has no run_finished/run_failed event: it is still running or "
@@ -326,8 +68,8 @@ def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[
         loss=tuple((float(m["ts"]) - t0, int(m["index"]), float(m["metrics"][loss_key]), kept)
                    for m, kept in zip(metrics, steps_info.kept)
                    if isinstance((m.get("metrics") or {}).get(loss_key), (int, float))),
-        cost=tl.cost_series(nodes, cost.price_of, steps_info, cost.od_worker_usd_h, t0,
-                            sessions),
+        cost=_nodes.cost_series(nodes, cost.price_of, steps_info, cost.od_worker_usd_h, t0,
+                                sessions),
         loss_key=loss_key,
     )
     productive = steps_info.productive_s
@@ -344,19 +86,6 @@ def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[
         if cost.savings is not None and cost.baseline else None,
         productive_worker_s=steps_info.productive_worker_s, notes=tuple(notes), series=series,
     )
-
-
-def _effective_prices(events, override: Optional[Prices]) -> Optional[Prices]:
-    recorded = None
-    for e in events:
-        if e["kind"] in PRICE_KINDS:
-            try:
-                recorded = parse_prices(e, f"{e['kind']} event")
-            except ValueError:
-                continue
-    if recorded is None:
-        return override
-    return recorded.merged(override)
 
 
 @dataclass
@@ -432,7 +161,7 @@ def _checkpoints(events, t0: float) -> Dict[str, Any]:
         "bytes": e.get("bytes"), "sync_s": _sync_s(e),
         "async_s": e.get("async_s", e.get("upload_s")),
         "stage_s": e.get("stage_s"), "wait_s": e.get("wait_s"), "upload_s": e.get("upload_s"),
-    } for e in events if e["kind"] == "checkpoint_committed"]
+    } for e in events if kind_of(e) is EventKind.CHECKPOINT_COMMITTED]
 
     def stat(key, fn):
         vals = [i[key] for i in items if isinstance(i[key], (int, float))]
@@ -440,9 +169,9 @@ def _checkpoints(events, t0: float) -> Dict[str, Any]:
 
     return {
         "count": len(items),
-        "restored": sum(1 for e in events if e["kind"] == "checkpoint_restored"),
-        "deleted": sum(1 for e in events if e["kind"] == "checkpoint_deleted"),
-        "invalid": sum(1 for e in events if e["kind"] == "checkpoint_invalid"),
+        "restored": sum(1 for e in events if kind_of(e) is EventKind.CHECKPOINT_RESTORED),
+        "deleted": sum(1 for e in events if kind_of(e) is EventKind.CHECKPOINT_DELETED),
+        "invalid": sum(1 for e in events if kind_of(e) is EventKind.CHECKPOINT_INVALID),
         "bytes_total": stat("bytes", sum), "bytes_last": items[-1]["bytes"] if items else None,
         "sync_s_mean": stat("sync_s", statistics.fmean), "sync_s_max": stat("sync_s", max),
         "sync_s_total": stat("sync_s", sum),

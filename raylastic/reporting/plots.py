@@ -1,6 +1,7 @@
 """``--plots DIR``: three PNGs from a :class:`~raylastic.reporting.model.RunReport`.
 
-- ``world_size.png``: world size over time, failures (red) and graceful resizes (blue) marked.
+- ``world_size.png``: world size over time; losses (red crosses and dashed lines: the
+  report's recoveries) and graceful resizes (blue dotted lines, planned moves included).
 - ``loss.png``: the loss vs step and vs wall time; re-trained reports in grey, resizes marked.
 - ``cost.png``: cumulative cost vs the on-demand baseline (node-hours when prices are unknown).
 
@@ -11,9 +12,9 @@ so it is safe inside a Jupyter kernel or a headless job.
 from __future__ import annotations
 
 import os
-from typing import List
+from typing import List, Tuple
 
-from raylastic.reporting.model import RunReport
+from raylastic.reporting.records import RunReport
 
 FILES = ("world_size.png", "loss.png", "cost.png")
 _FAIL, _RESIZE, _KEPT, _REDONE = "tab:red", "tab:blue", "tab:green", "0.7"
@@ -66,6 +67,14 @@ def _marks(ax, report: RunReport, *, by_step: bool = False) -> None:
         ax.axvline(pos, color=_RESIZE, ls=":", lw=1.4, label=label)
 
 
+def failure_crosses(report: RunReport) -> List[Tuple[float, int]]:
+    """(t_s, world size before) of the red crosses in world_size.png: one per recovery,
+    i.e. per loss. A planned move (a worker released or moved off a draining node) is a
+    graceful resize, drawn as a blue line, never as a cross."""
+    return [(x.at_s, x.world_size_before) for x in report.recoveries
+            if x.world_size_before is not None]
+
+
 def _world_size(fig, report: RunReport) -> None:
     ax = fig.add_subplot(1, 1, 1)
     xs, ys = [0.0], [0]
@@ -77,9 +86,8 @@ def _world_size(fig, report: RunReport) -> None:
     ys.append(ys[-1])
     ax.plot(xs, ys, color="black", lw=2, label="world size")
     ax.fill_between(xs, ys, step=None, color="0.85")
-    for x in report.recoveries:
-        if x.world_size_before is not None:
-            ax.plot([x.at_s], [x.world_size_before], "x", color=_FAIL, ms=10, mew=2)
+    for at_s, world_size in failure_crosses(report):
+        ax.plot([at_s], [world_size], "x", color=_FAIL, ms=10, mew=2)
     _marks(ax, report)
     top = max([s.world_size for s in report.world_size_timeline] + [1])
     ax.set_ylim(0, top + 0.5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from raylastic.reporting.model import RunReport
+from raylastic.reporting.records import RunReport
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> List[str]:

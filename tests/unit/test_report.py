@@ -370,3 +370,70 @@ def test_public_report_function_is_not_shadowed_by_the_reporting_package():
     import raylastic.session
 
     assert raylastic.report is raylastic.session.report
+
+
+# ----------------------------------------------------------------------------- planned moves
+
+DEMO_RUN = os.path.join(os.path.dirname(__file__), "fixtures", "demo_spot_return")
+
+
+def test_planned_moves_in_a_real_demo_run_are_graceful_resizes_not_recoveries():
+    """tests/unit/fixtures/demo_spot_return: the event log of a real `make demo` run
+    (metrics trimmed to every 25th report plus the reports the resizes refer to). Two spot
+    preemptions with notice drain workers, then spot returns and two on-demand workers are
+    released (worker_lost cause "released"). None of it is a loss: every move is a
+    graceful resize, there is no recovery, and world_size.png draws no cross."""
+    from raylastic.reporting import load_run
+    from raylastic.reporting.plots import failure_crosses
+
+    data = load_run(DEMO_RUN)
+    moved = [e for e in data.events if e["kind"] == "worker_lost"]
+    assert sorted({e["cause"] for e in moved}) == ["preempted", "released"]  # the log is what it claims
+    r = build_report(data.events, data.metrics)
+    assert r.recoveries == ()
+    assert failure_crosses(r) == []
+    graceful = [(z.reason.split(" (")[0].split(":")[0], z.from_world_size, z.to_world_size)
+                for z in r.resizes if z.graceful]
+    assert graceful == [("scale up 1 -> 3", 1, 3), ("preemption notice", 3, 2),
+                        ("scale up 2 -> 3", 2, 3), ("preemption notice", 3, 2),
+                        ("spot capacity back", 2, 3), ("spot capacity back", 3, 3)]
+    assert len(r.resizes) == 6
+    released = [e["ts"] - r.start_ts for e in moved if e["cause"] == "released"]
+    back = [z for z in r.resizes if z.reason.startswith("spot capacity back")]
+    assert [z.at_s for z in back] == pytest.approx(released, abs=0.5)
+    assert all(z.pause_s is not None and 0 < z.pause_s < 10 for z in back)
+    assert [s.ended_by for s in r.world_size_timeline].count("released") == 2
+
+
+def test_a_planned_release_next_to_a_real_loss_leaves_one_recovery():
+    """spot_run's node loss stays the only recovery (and the only cross) when spot later
+    returns and the on-demand worker is released: the release is a graceful resize."""
+    from raylastic.reporting.plots import failure_crosses
+
+    e, m = spot_run()
+    e += [ready(86, "n5", "spot", "spot"),
+          ev(88, "worker_lost", wid="n3", rank=1, node_id="n3", cause="released"),
+          ev(88.2, "resize", epoch=3, reason="spot capacity back", graceful=True, survivors=3,
+             reached_index=44, restore_index=44, lost_steps=0, resize_s=0.3),
+          ev(88.5, "group_formed", epoch=4, world_size=3, previous_world_size=3,
+             nodes=["n1", "n4", "n5"], restore_index=44),
+          ev(89.1, "first_step", epoch=4, index=45, world_size=3, report_ts=T0 + 89)]
+    e.sort(key=lambda x: x["ts"])
+    for x in m:
+        if x["index"] >= 45:
+            x["epoch"] = 4
+    r = build_report(e, m)
+    (x,) = r.recoveries
+    assert (x.cause, x.nodes, x.at_s, x.steps_lost) == ("node_lost", ("n2",), pytest.approx(45), 4)
+    assert failure_crosses(r) == [(pytest.approx(45), 3)]
+    moves = [(z.at_s, z.from_world_size, z.to_world_size, z.lost_steps) for z in r.resizes if z.graceful]
+    assert moves == [(pytest.approx(81), 2, 3, 0), (pytest.approx(88.2), 3, 3, 0)]
+    assert r.resizes[-1].pause_s == pytest.approx(89 - 88)  # report 44 at t=88
+    assert r.world_size_timeline[2].ended_by == "released"
+    assert r.node_hours["on_demand"].hours == pytest.approx((88 - 2) / 3600)  # n3 given back
+
+
+def test_a_resize_after_a_loss_names_the_world_size_it_came_from():
+    r = build_report(*spot_run())
+    assert [(z.graceful, z.from_world_size, z.to_world_size) for z in r.resizes] == [
+        (False, 3, 2), (True, 2, 3)]

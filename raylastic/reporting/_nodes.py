@@ -1,0 +1,118 @@
+"""Node-hours: how long the run held each node (per node type), and the cost series
+plotted against the on-demand baseline. Pure functions of the event log."""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from raylastic.events import EventKind
+from raylastic.reporting._steps import StepTimes
+from raylastic.reporting._walk import Event, kind_of
+
+DEFAULT_NODE_TYPE = "default"  # node-hours of workers whose worker_ready has no node_type
+
+
+@dataclass
+class NodeIntervals:
+    intervals: List[Tuple[str, float, float]]  # (node_type, start_ts, end_ts)
+    hours: Dict[str, float]
+    count: Dict[str, int]
+    slots: Dict[str, int]  # peak workers held at once on one node of the type
+    markets: Dict[str, Optional[str]]
+    approximated: bool = False
+
+
+def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> NodeIntervals:
+    """Per node and controller session: from a worker_ready on an unheld node until the
+    run holds no worker there any more (worker_lost/released), or the session's end while
+    one of its workers is still held. A node given back and used again later counts twice,
+    not for the gap in between."""
+    approximated = not any(kind_of(e) is EventKind.WORKER_READY for e in events) and any(
+        kind_of(e) is EventKind.GROUP_FORMED and e.get("nodes") for e in events)
+    intervals, slots, markets, nodes_of = [], defaultdict(int), {}, defaultdict(set)
+    session_no, state = 0, {}
+
+    def flush(session_end: float) -> None:
+        for node, st in state.items():
+            end = session_end if st["held"] else (st["last_end"] or session_end)
+            intervals.append((st["type"], st["start"], max(st["start"], end)))
+        state.clear()
+
+    for i, e in enumerate(events):
+        kind, ts = kind_of(e), float(e["ts"])
+        if kind is EventKind.RUN_STARTED and i > 0:
+            flush(sess[session_no][1])
+            session_no += 1
+            continue
+        for node, wid, ntype, market in _ready(e, approximated):
+            ntype = ntype or DEFAULT_NODE_TYPE
+            st = state.setdefault(node, {"type": ntype, "start": ts, "held": set(), "last_end": None})
+            st["held"].add(wid)
+            slots[st["type"]] = max(slots[st["type"]], len(st["held"]))
+            nodes_of[st["type"]].add(node)
+            if market and markets.get(st["type"]) is None:
+                markets[st["type"]] = market
+            markets.setdefault(st["type"], None)
+        if kind in (EventKind.WORKER_LOST, EventKind.WORKER_RELEASED) and e.get("node_id") in state:
+            st = state[e["node_id"]]
+            wid = e.get("wid")
+            if wid in st["held"]:
+                st["held"].discard(wid)
+                if not st["held"]:  # the run gave the node back: a later worker starts a new interval
+                    intervals.append((st["type"], st["start"], max(st["start"], ts)))
+                    del state[e["node_id"]]
+                    continue
+            elif approximated or wid is None:
+                st["held"].clear()
+            st["last_end"] = ts
+        if approximated and kind in (EventKind.RUN_FINISHED, EventKind.RUN_FAILED):
+            for st in state.values():
+                st["held"].clear()
+                st["last_end"] = st["last_end"] if st["last_end"] else ts
+    flush(sess[-1][1])
+    hours, count = defaultdict(float), {}
+    for ntype, start, end in intervals:
+        hours[ntype] += (end - start) / 3600.0
+    for ntype, nodes in nodes_of.items():
+        count[ntype] = len(nodes)
+    return NodeIntervals(intervals, dict(hours), count, dict(slots), markets, approximated)
+
+
+def _ready(e: Event, approximated: bool):
+    """(node, worker key, node_type, market) for each worker this event makes ready."""
+    if kind_of(e) is EventKind.WORKER_READY and e.get("node_id"):
+        yield e["node_id"], e.get("wid", e["node_id"]), e.get("node_type"), e.get("market")
+    elif approximated and kind_of(e) is EventKind.GROUP_FORMED:
+        for rank, node in enumerate(e.get("nodes") or []):
+            yield node, f"{node}/{rank}", None, None
+
+
+def cost_series(nodes: NodeIntervals, price_of: Dict[str, float], steps: StepTimes,
+                od_worker_usd_h: Optional[float], t0: float, sess, points: int = 300):
+    """(t_s, node-hours, cost USD or None, baseline USD or None) on a grid over the run."""
+    end = sess[-1][1]
+    if end <= t0:
+        return ()
+    grid = sorted({t0 + (end - t0) * k / (points - 1) for k in range(points)}
+                  | {s for _, s, _ in nodes.intervals} | {e for _, _, e in nodes.intervals})
+    order = sorted(range(len(steps.ts)), key=lambda k: steps.ts[k])
+    ts_sorted = [steps.ts[k] for k in order]
+    cum_w, acc = [], 0.0
+    for k in order:
+        acc += steps.durations[k] * steps.world_sizes[k] if steps.kept[k] else 0.0
+        cum_w.append(acc)
+    out = []
+    for t in grid:
+        nh, usd = 0.0, 0.0
+        for ntype, s, e in nodes.intervals:
+            h = max(0.0, min(e, t) - s) / 3600.0
+            nh += h
+            usd += h * price_of.get(ntype, 0.0)
+        j = bisect.bisect_right(ts_sorted, t)
+        worker_s = cum_w[j - 1] if j else 0.0
+        out.append((t - t0, nh, usd if price_of else None,
+                    worker_s / 3600.0 * od_worker_usd_h if od_worker_usd_h is not None else None))
+    return tuple(out)
