@@ -102,7 +102,8 @@ class _Walker:
     """Reads events in order. Its state at any point:
 
     - ``current``: the group training now; None between a stop and the next group_formed;
-    - ``stopped``: the group the last loss or planned move ended (the next resize's "from");
+    - ``stopped``: the group that ended last, until a resize takes it as its "from" (a
+      loss or planned move ends a group before its resize event comes);
     - ``recovery``: the recovery in progress (a loss seen, training not resumed yet);
     - ``resizes``: every resize so far; the latest ones may still wait for their next group
       and first step.
