@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Dict, Mapping, Optional
 
 from raylastic.errors import ConfigError
+from raylastic.policies.capacity import CapacityPolicy
 
 _STANDARD_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 
@@ -108,8 +109,6 @@ class ScalingConfig:
             )
 
         if self.capacity is not None:
-            from raylastic.policies.capacity import CapacityPolicy
-
             _check(isinstance(self.capacity, CapacityPolicy),
                    "ScalingConfig.capacity must be a raylastic.policies.capacity.CapacityPolicy, got "
                    f"{type(self.capacity).__name__}.")
@@ -237,6 +236,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.storage_retry is not None:
+            # Here, not at the top: storage imports pyarrow, and configs stay cheap to import.
             from raylastic.checkpoint.storage import RetryPolicy
 
             _check(isinstance(self.storage_retry, RetryPolicy),
@@ -274,8 +274,6 @@ class RunConfig:
 
 def describe(obj: Any) -> Dict[str, Any]:
     """A JSON-friendly view of a config for the event log (no secrets live in configs)."""
-    from dataclasses import asdict, is_dataclass
-
     if is_dataclass(obj):
         return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in asdict(obj).items()}
     return {"value": repr(obj)}

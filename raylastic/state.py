@@ -57,7 +57,8 @@ import torch.distributed as dist
 from raylastic import session as _session
 from raylastic.errors import SnapshotMismatchError
 from raylastic._internal.snapshot_copy import StateCopier, clone_to_cpu, nbytes
-from raylastic._internal.stripes import Holding, assemble, covered, held_leaves, leaves, map_leaves
+from raylastic._internal.holdings import WHOLE, Holding, is_whole, restore_from_memory_possible
+from raylastic._internal.stripes import assemble, held_leaves, leaves, map_leaves
 
 STATE_FILE = "elastic_state.pt"
 
@@ -74,12 +75,12 @@ class Snapshot:
     nbytes: int = 0
     pins: int = 0  # a background writer is reading the tensors: do not recycle
     # (nshards, shards) this copy holds of the replicated state (the rest are meta
-    # placeholders, see ``_internal/stripes.py``); None: a full copy.
-    holding: Holding = None
+    # placeholders, see ``_internal/stripes.py``); WHOLE: a full copy.
+    holding: Holding = WHOLE
 
     def save(self, directory: str) -> None:
         """Write the restorable part (what ``ElasticState`` reads back from storage)."""
-        if self.holding is not None:
+        if not is_whole(self.holding):
             raise RuntimeError(f"snapshot {self.index} holds only shards {self.holding[1]} of "
                                f"{self.holding[0]}: assemble it before writing it to storage")
         torch.save({"plain": self.plain, "tensors": self.tensors}, os.path.join(directory, STATE_FILE))
@@ -126,11 +127,11 @@ class SnapshotStore:
         with self._lock:
             if self.run != run:
                 return {}
-            return {s.index: s.holding for s in self._snaps if s.complete.is_set() and s.holding is not None}
+            return {s.index: s.holding for s in self._snaps if s.complete.is_set() and not is_whole(s.holding)}
 
     def merge(self, run: str, index: int, holding: Holding, tensors: Dict[int, torch.Tensor]) -> Holding:
         """Fill snapshot ``index``'s placeholders with another copy's tensors (by leaf
-        position); returns what it holds now (None: all of it)."""
+        position); returns what it holds now (WHOLE: all of it)."""
         with self._lock:
             snap = next((s for s in self._snaps if self.run == run and s.index == index
                          and s.complete.is_set()), None)
@@ -138,8 +139,8 @@ class SnapshotStore:
                 raise RuntimeError(f"no complete in-memory snapshot {index} to merge into")
             snap.tensors = map_leaves(snap.tensors, lambda j, t: tensors[j] if t.is_meta and j in tensors else t)
             if not any(t.is_meta for t in leaves(snap.tensors)):
-                snap.holding = None
-            elif snap.holding is not None and holding is not None:
+                snap.holding = WHOLE
+            elif not is_whole(snap.holding) and not is_whole(holding):
                 snap.holding = (snap.holding[0], tuple(sorted(set(snap.holding[1]) | set(holding[1]))))
             snap.nbytes = nbytes(snap.tensors)
             return snap.holding
@@ -226,7 +227,7 @@ class ElasticState:
             snap = STORE.get(sess.run_rel, mem)
             if sess.restore.broadcast and dist.is_initialized() and dist.get_world_size() > 1:
                 snap = self._assemble(mem, snap)
-            if snap is None or snap.holding is not None:
+            if snap is None or not is_whole(snap.holding):
                 raise RuntimeError(
                     f"rank {sess.spec.rank}: the in-memory snapshot {mem} the controller chose "
                     "is not here in full (and no broadcast was planned)")
@@ -257,10 +258,10 @@ class ElasticState:
         rank lacks are broadcast from a holder. Workers that joined hold nothing; they
         keep their own RNG streams. This rank's snapshot is completed in place."""
         tensors, plain = assemble(index, snap.tensors if snap else None, snap.plain if snap else None,
-                                  snap.holding if snap else None)
+                                  snap.holding if snap else WHOLE)
         if snap is not None:
             # in place (a writer's pins stay on it): the assembled tensors fill the placeholders
-            STORE.merge(self._sess.run_rel, index, None, held_leaves(tensors))
+            STORE.merge(self._sess.run_rel, index, WHOLE, held_leaves(tensors))
             return snap
         full = Snapshot(index=index, plain=plain, tensors=tensors, rng={})
         full.complete.set()
@@ -337,7 +338,7 @@ class ElasticState:
         sess = self._sess
         if not self._striped or not sess.spec.stripe or (persist and sess.spec.rank == 0) \
                 or sess.stop_requested:
-            return None
+            return WHOLE
         return (sess.spec.world_size, tuple(sess.spec.stripe))
 
     @staticmethod
@@ -359,23 +360,6 @@ class ElasticState:
     def snapshot_bytes(self) -> int:
         """Host memory held by this process's snapshots."""
         return STORE.nbytes()
-
-
-def restore_from_memory_possible(
-        indices_per_member: Dict[int, List[int]],
-        stripes_per_member: Optional[Dict[int, Dict[int, Tuple[int, Tuple[int, ...]]]]] = None,
-) -> Optional[int]:
-    """The newest snapshot index every member that holds snapshots has and whose
-    shards those members together cover (pure). ``stripes_per_member``: member ->
-    index -> (nshards, shards) for striped copies; an index not listed is a full copy."""
-    stripes_per_member = stripes_per_member or {}
-    holders = {m: set(v) for m, v in indices_per_member.items() if v}
-    if not holders:
-        return None
-    for index in sorted(set.intersection(*holders.values()), reverse=True):
-        if covered([stripes_per_member.get(m, {}).get(index, (0, ())) for m in holders]):
-            return index
-    return None
 
 
 __all__ = ["ElasticState", "SnapshotStore", "STORE", "STATE_FILE", "restore_from_memory_possible"]

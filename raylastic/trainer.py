@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Callable, Dict, List, Optional
 
 import ray
+import ray.cloudpickle as cloudpickle
 from ray.train import Checkpoint
 
+from raylastic._internal.cluster.notices import sources_from_env
+from raylastic._internal.controller.controller import Controller
+from raylastic.checkpoint.storage import Storage
 from raylastic.config import RunConfig, ScalingConfig
 from raylastic.errors import ConfigError, TrainingAborted
+from raylastic.progress import ProgressLine
 
 logger = logging.getLogger("raylastic")
 
@@ -84,8 +89,6 @@ class ElasticTrainer:
         if not name or not storage_path:
             raise ConfigError(f"restore(path={path!r}): expected <storage_path>/<run name>.")
         run = kwargs.pop("run_config", None) or RunConfig()
-        from dataclasses import replace
-
         run = replace(run, name=name, storage_path=storage_path)
         return cls(train_func, run_config=run, **kwargs)
 
@@ -96,12 +99,7 @@ class ElasticTrainer:
         ``InsufficientCapacityError``, ``TrainingAborted``) unless
         ``raise_on_error=False``, in which case it is in ``Result.error``.
         """
-        from raylastic._internal.controller.controller import Controller
-        from raylastic.checkpoint.storage import Storage
-
         storage = Storage(self._run.storage_path, retry=self._run.storage_retry)  # bad URIs/credentials fail here
-        from raylastic._internal.cluster.notices import sources_from_env
-
         try:  # a bad RAYLASTIC_PREEMPTION_SOURCES fails here, not in every worker
             sources_from_env()
         except ValueError as e:
@@ -120,8 +118,6 @@ class ElasticTrainer:
             self._train_func, self._config, self._scaling, self._run, storage, self._name, self._name,
         )
         run_ref = controller.run.remote()
-        from raylastic.progress import ProgressLine
-
         progress = ProgressLine(enabled=self._run.progress, total_steps=self._run.total_steps)
         try:
             outcome = _wait(run_ref, controller, progress)
@@ -181,8 +177,6 @@ def _join_uri(base: str, name: str) -> str:
 
 
 def _check_picklable(obj: Any, what: str) -> None:
-    import ray.cloudpickle as cloudpickle
-
     try:
         cloudpickle.dumps(obj)
     except Exception as e:  # noqa: BLE001

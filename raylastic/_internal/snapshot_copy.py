@@ -26,7 +26,8 @@ from typing import Any, Callable, List, Optional, Set, Tuple
 
 import torch
 
-from raylastic._internal.stripes import Holding, keep_mask
+from raylastic._internal.holdings import WHOLE, Holding
+from raylastic._internal.stripes import keep_mask
 
 Pair = Tuple[torch.Tensor, torch.Tensor]  # (host destination, live source)
 
@@ -204,12 +205,12 @@ class StateCopier:
                 self.blocked_s += time.perf_counter() - t0
 
     def copy(self, old: Optional[dict], on_done: Callable[[Optional[BaseException]], None],
-             holding: Holding = None) -> Tuple[dict, Callable[[], None]]:
+             holding: Holding = WHOLE) -> Tuple[dict, Callable[[], None]]:
         """Host buffers for the state dicts (``old``'s where they fit) and a ``start``
         function. Call ``start()`` once the buffers are stored where readers will look:
         ``on_done(error)`` runs when every byte is copied (maybe at once, maybe later in
         the copy thread). ``holding`` (nshards, shards): copy only those shards of the
-        state (see ``_internal/stripes.py``); None: everything."""
+        state (see ``_internal/stripes.py``); WHOLE: everything."""
         self.wait()
         t0 = time.perf_counter()
         old = old or {}

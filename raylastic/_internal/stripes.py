@@ -29,35 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-# (nshards, shards held); nshards 0: all of it. Where a Holding describes a snapshot's
-# copy (``Snapshot.holding``, ``keep_mask``) None also means all of it; in a list of
-# members' holdings (``covered``, ``assemble``) None means the member holds none of it.
-Holding = Optional[Tuple[int, Tuple[int, ...]]]
-
-
-def plan_stripes(nodes: Sequence[str]) -> Optional[List[Tuple[int, ...]]]:
-    """Shards each rank copies, given each rank's node id (rank order). None when
-    striping saves nothing (fewer than 3 ranks).
-
-    Shard s's first copy is rank s; its second goes to the least loaded rank on another
-    node (ties: the next rank after s in ring order), so losing any one node leaves a
-    copy of every shard. With all ranks on one node the second copy is on another rank
-    (a crashed worker process is survived; a lost node takes every copy anyway). With
-    one node per rank, or the same number of ranks per node, each rank holds 2 shards;
-    with uneven nodes a rank alone on its node can hold the second copy of every other
-    node's shards (e.g. 7 ranks on one node and 1 on another: that one holds all 8)."""
-    world = len(nodes)
-    if world < 3:
-        return None
-    load = [1] * world
-    held: List[set] = [{r} for r in range(world)]
-    for s in range(world):
-        others = [r for r in range(world) if r != s]
-        cands = [r for r in others if nodes[r] != nodes[s]] or others
-        r = min(cands, key=lambda q: (load[q], (q - s) % world))
-        load[r] += 1
-        held[r].add(s)
-    return [tuple(sorted(h)) for h in held]
+from raylastic._internal.holdings import HOLDS_NONE, WHOLE, Holding, covered, is_whole, plan_stripes
 
 
 def shard_of_leaves(sizes: Sequence[int], nshards: int) -> List[int]:
@@ -124,22 +96,11 @@ def leaf_bytes(t: torch.Tensor) -> int:
 
 def keep_mask(tree: Any, holding: Holding) -> Optional[List[bool]]:
     """Per tensor of ``tree``: does a rank with ``holding`` copy it? None: all."""
-    if holding is None or holding[0] == 0:
+    if is_whole(holding):
         return None
     nshards, shards = holding
     mine = frozenset(shards)
     return [s in mine for s in _shard_of_leaves(tuple(leaf_bytes(t) for t in leaves(tree)), nshards)]
-
-
-def covered(holdings: Sequence[Holding]) -> bool:
-    """Do these holdings of one snapshot (None: holds none of it) together cover it?"""
-    have = [h for h in holdings if h is not None]
-    if any(h[0] == 0 for h in have):
-        return True
-    if not have:
-        return False
-    nshards = have[0][0]
-    return set().union(*(set(h[1]) for h in have)) >= set(range(nshards))
 
 
 def to_meta(tree: Any) -> Any:
@@ -150,28 +111,28 @@ def assemble(index: int, tensors: Optional[Any], plain: Optional[Dict[str, Any]]
              holding: Holding) -> Tuple[Any, Dict[str, Any]]:
     """Collective over the default process group: every rank ends with all tensors of
     snapshot ``index``. ``tensors``/``plain``: this rank's copy (None when it holds
-    none); ``holding``: which shards it holds ((0, ()) for a full copy). Returns
+    none); ``holding``: which shards it holds (``WHOLE`` for a full copy). Returns
     (full tensors, plain state)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    mine = (holding if holding is not None else (0, ())) if tensors is not None else None
+    mine = holding if tensors is not None else HOLDS_NONE
     # Every check below is made on the same gathered facts by every rank, so all raise
     # together (none is left waiting in a broadcast for a rank that gave up).
     everyone: List[Any] = [None] * world  # per rank: [what it holds, its tree's fingerprint]
     dist.all_gather_object(everyone, [mine, fingerprint(tensors) if tensors is not None else None])
-    holdings: List[Holding] = [h for h, _fp in everyone]
+    holdings: List[Optional[Holding]] = [h for h, _fp in everyone]
     problem = None
-    if len({fp for h, fp in everyone if h is not None}) > 1:
+    if len({fp for h, fp in everyone if h is not HOLDS_NONE}) > 1:
         problem = "the ranks' copies differ in tensor shapes or dtypes (not copies of one replicated state)"
     elif not covered(holdings):
         problem = f"the ranks' shards {holdings} do not cover the state"
     if problem is not None:
         dist.barrier()  # no rank tears the group down while another still reads the gather
         raise RuntimeError(f"snapshot {index}: {problem}")
-    ref = min(r for r, h in enumerate(holdings) if h is not None)
+    ref = min(r for r, h in enumerate(holdings) if h is not HOLDS_NONE)
     box = [{"plain": plain, "skeleton": to_meta(tensors)} if rank == ref else None]
     dist.broadcast_object_list(box, src=ref)
     skeleton = box[0]["skeleton"]
-    masks = [None if h is None else (keep_mask(skeleton, h) or [True] * len(leaves(skeleton)))
+    masks = [None if h is HOLDS_NONE else (keep_mask(skeleton, h) or [True] * len(leaves(skeleton)))
              for h in holdings]
     own = leaves(tensors) if tensors is not None else None
     device = _collective_device()
@@ -212,5 +173,5 @@ def fingerprint(tree: Any) -> str:
     return hashlib.sha1(spec.encode()).hexdigest()
 
 
-__all__ = ["Holding", "plan_stripes", "shard_of_leaves", "leaves", "map_leaves", "held_leaves", "keep_mask",
+__all__ = ["Holding", "WHOLE", "plan_stripes", "shard_of_leaves", "leaves", "map_leaves", "held_leaves", "keep_mask",
            "covered", "to_meta", "assemble"]

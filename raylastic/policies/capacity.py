@@ -7,7 +7,8 @@ Ray, no clock, no I/O, so every rule is unit-tested in milliseconds.
 Rules (``prefer="spot"``), checked every tick in this order:
 
 1. Fewer than ``min_workers`` worker slots ready (spot + on-demand) for ``max_wait_s``:
-   raise :class:`CapacityTimeoutError`.
+   :class:`GiveUp` (a ``Raise`` like the other policies' give-up decision; its
+   ``error()`` is the :class:`CapacityTimeoutError` the run ends with).
 2. ``return_to_spot`` and spare ready spot slots while on-demand workers are in the group:
    at a checkpoint boundary, :class:`MigrateToSpot` (swap on-demand workers for spot ones).
 3. The standing autoscaler request should change: :class:`RequestCapacity`, or
@@ -39,8 +40,10 @@ Driving it from a controller loop (every ~0.5 s)::
             in_group=group.workers_by_node_type(),
             requested=requested,
             at_checkpoint_boundary=checkpoints.just_committed())
-        step = policy.decide(snap, state)        # may raise CapacityTimeoutError
+        step = policy.decide(snap, state)
         state, d = step.state, step.decision
+        if isinstance(d, GiveUp):
+            raise d.error()
         if isinstance(d, (RequestCapacity, ReleaseOnDemand)):
             request_resources(**policy.request_args(d.counts))   # replaces the old request
             requested = dict(d.counts)
@@ -58,7 +61,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-from raylastic.policies.base import Noop
+from raylastic.policies.base import Noop, Raise
 from raylastic.policies.node_types import (
     DEFAULT_NODE_TYPES,
     Market,
@@ -148,7 +151,28 @@ class MigrateToSpot:
                 "target": dict(self.target), "reason": self.reason}
 
 
-CapacityDecision = Union[Noop, RequestCapacity, ReleaseOnDemand, MigrateToSpot]
+@dataclass(frozen=True)
+class GiveUp(Raise):
+    """Fewer than ``min_workers`` slots for ``max_wait_s``: end the run with ``error()``."""
+
+    max_wait_s: float
+    waited_s: float
+    available: int
+    min_workers: int
+    ready: Mapping[str, int]
+    max_on_demand_workers: Optional[int]
+
+    def error(self) -> CapacityTimeoutError:
+        return CapacityTimeoutError(max_wait_s=self.max_wait_s, waited_s=self.waited_s,
+                                    available=self.available, min_workers=self.min_workers,
+                                    ready=self.ready, max_on_demand_workers=self.max_on_demand_workers)
+
+    def to_event(self) -> Dict[str, Any]:
+        return {"kind": "capacity.give_up", "waited_s": self.waited_s, "available": self.available,
+                "reason": self.reason}
+
+
+CapacityDecision = Union[Noop, RequestCapacity, ReleaseOnDemand, MigrateToSpot, GiveUp]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,13 +367,17 @@ class CapacityPolicy:
 
     # -- the decision rule -------------------------------------------------------------
     def decide(self, snap: CapacitySnapshot, state: Optional[CapacityState] = None) -> CapacityStep:
-        """One tick. Raises :class:`CapacityTimeoutError` or :class:`UnknownNodeTypeError`."""
+        """One tick. A decision, :class:`GiveUp` included; raises only on bad input
+        (:class:`UnknownNodeTypeError`, ``ValueError``)."""
         state = state or CapacityState()
         self.validate_scaling(min_workers=snap.min_workers, max_workers=snap.max_workers)
         for what in ("ready", "in_group", "requested"):
             for name in getattr(snap, what):
                 self.node_type(name)
-        below_since = self._check_wait(snap, state)
+        below_since = self._below_min_since(snap, state)
+        if below_since is not None and snap.now_s - below_since >= self.max_wait_s:
+            return CapacityStep(self._give_up(snap, snap.now_s - below_since),
+                                CapacityState(state.spot_short_since_s, below_since), self._phase_now(state))
         if self.prefer is Market.ON_DEMAND:
             od, M = self.on_demand.name, snap.max_workers
             want = {self.spot.name: 0, od: min(self._cap(M), M)}
@@ -363,19 +391,28 @@ class CapacityPolicy:
         cap = self.max_on_demand_workers
         return max_workers if cap is None else cap
 
-    def _check_wait(self, snap: CapacitySnapshot, state: CapacityState) -> Optional[float]:
-        """Rule 1. Returns since when fewer than min_workers slots are ready (or None)."""
-        ready = sum(snap.ready.get(t.name, 0) for t in self.node_types)
-        available = min(snap.max_workers, ready)
-        if available >= snap.min_workers:
+    def _available(self, snap: CapacitySnapshot) -> int:
+        return min(snap.max_workers, sum(snap.ready.get(t.name, 0) for t in self.node_types))
+
+    def _below_min_since(self, snap: CapacitySnapshot, state: CapacityState) -> Optional[float]:
+        """Rule 1's clock: since when fewer than min_workers slots are ready (or None)."""
+        if self._available(snap) >= snap.min_workers:
             return None
-        since = state.below_min_since_s if state.below_min_since_s is not None else snap.now_s
-        if snap.now_s - since >= self.max_wait_s:
-            raise CapacityTimeoutError(
-                max_wait_s=self.max_wait_s, waited_s=snap.now_s - since, available=available,
-                min_workers=snap.min_workers, ready=snap.ready,
-                max_on_demand_workers=self.max_on_demand_workers)
-        return since
+        return state.below_min_since_s if state.below_min_since_s is not None else snap.now_s
+
+    def _give_up(self, snap: CapacitySnapshot, waited_s: float) -> GiveUp:
+        available = self._available(snap)
+        return GiveUp(
+            f"only {available} of min_workers={snap.min_workers} worker slots available for "
+            f"{waited_s:.1f} s (max_wait_s={self.max_wait_s})",
+            max_wait_s=self.max_wait_s, waited_s=waited_s, available=available,
+            min_workers=snap.min_workers, ready=dict(snap.ready),
+            max_on_demand_workers=self.max_on_demand_workers)
+
+    def _phase_now(self, state: CapacityState) -> CapacityPhase:
+        if self.prefer is Market.ON_DEMAND:
+            return CapacityPhase.ON_DEMAND_ONLY
+        return CapacityPhase.SPOT_SHORT if state.spot_short_since_s is not None else CapacityPhase.SPOT
 
     def _decide_spot(self, snap: CapacitySnapshot, state: CapacityState,
                      below_since: Optional[float]) -> CapacityStep:

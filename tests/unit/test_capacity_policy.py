@@ -7,13 +7,14 @@ import pickle
 
 import pytest
 
-from raylastic.policies.base import Noop
+from raylastic.policies.base import Noop, Raise
 from raylastic.policies.capacity import (
     CapacityPhase,
     CapacityPolicy,
     CapacitySnapshot,
     CapacityState,
     CapacityTimeoutError,
+    GiveUp,
     MigrateToSpot,
     ReleaseOnDemand,
     RequestCapacity,
@@ -209,16 +210,20 @@ def test_return_to_spot_false_keeps_on_demand_and_stops_extra_spot():
     assert step.phase is CapacityPhase.FALLBACK
 
 
-def test_max_wait_exceeded_raises_typed_picklable_error():
+def test_max_wait_exceeded_gives_up_with_a_typed_picklable_error():
     policy = CapacityPolicy(fallback_after_s=10, max_on_demand_workers=1, max_wait_s=30)
     state = CapacityState()
     for t in (0.0, 10.0, 29.5):
-        state = policy.decide(snap(t, ready={"spot": 0, "on_demand": 1},
-                                   in_group={"on_demand": 1}, lo=2), state).state
-    with pytest.raises(CapacityTimeoutError) as info:
-        policy.decide(snap(30.0, ready={"spot": 0, "on_demand": 1},
-                           in_group={"on_demand": 1}, lo=2), state)
-    err = info.value
+        step = policy.decide(snap(t, ready={"spot": 0, "on_demand": 1},
+                                  in_group={"on_demand": 1}, lo=2), state)
+        assert not isinstance(step.decision, GiveUp)
+        state = step.state
+    d = policy.decide(snap(30.0, ready={"spot": 0, "on_demand": 1},
+                           in_group={"on_demand": 1}, lo=2), state).decision
+    # a decision like the other policies' (a Raise with a reason), not an exception
+    assert isinstance(d, GiveUp) and isinstance(d, Raise)
+    assert "max_wait_s=30" in d.reason and d.waited_s == 30.0
+    err = d.error()
     assert "max_wait_s=30" in str(err) and "min_workers=2" in str(err)
     assert err.waited_s == 30.0 and err.available == 1
     again = pickle.loads(pickle.dumps(err))

@@ -4,6 +4,7 @@ into shards, coverage, and copying only a stripe."""
 import torch
 
 from raylastic._internal.snapshot_copy import StateCopier, nbytes
+from raylastic._internal.holdings import WHOLE
 from raylastic._internal.stripes import (
     covered, keep_mask, leaves, plan_stripes, shard_of_leaves,
 )
@@ -105,7 +106,7 @@ def test_a_stripe_copies_only_its_shards_and_the_stripes_add_up_to_the_whole():
 
 def test_keep_mask_is_none_for_a_full_copy():
     model, _ = _model_opt()
-    assert keep_mask(model.state_dict(), None) is None
+    assert keep_mask(model.state_dict(), WHOLE) is None
     assert keep_mask(model.state_dict(), (0, ())) is None
 
 
@@ -123,7 +124,7 @@ def test_merging_another_copys_shards_makes_a_stripe_whole():
     store.add("r", snap)
     assert store.stripes("r") == {7: (3, stripes[0])}
     other = {j: t for j, t in enumerate(leaves(copies[1])) if not t.is_meta}
-    assert store.merge("r", 7, (3, stripes[1]), other) is None  # shards {0,1} + {1,2}: all
+    assert store.merge("r", 7, (3, stripes[1]), other) == WHOLE  # shards {0,1} + {1,2}: all
     assert store.stripes("r") == {}
     got = store.get("r", 7).tensors
     model.load_state_dict(got["model"])  # no placeholders left: loads

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
+
+from ray.autoscaler.sdk import request_resources
 
 from raylastic.events import EventKind, EventLog
 from raylastic.policies.capacity import (
-    CapacityPolicy, CapacitySnapshot, CapacityState, MigrateToSpot, ReleaseOnDemand, RequestCapacity,
+    CapacityPolicy, CapacitySnapshot, CapacityState, GiveUp, MigrateToSpot, ReleaseOnDemand, RequestCapacity,
 )
 from raylastic.policies.node_types import Market
 
@@ -52,9 +54,9 @@ class CapacityDriver:
         self._pool.set_targets({}, protect=[])  # nothing is ready yet: nothing to report
 
     def tick(self, members: List, draining: Dict[str, int], at_boundary: bool,
-             protect: Optional[List] = None) -> Optional[MigrateToSpot]:
-        """One policy step (at most every 0.5 s). Returns a migration for the controller
-        to carry out; raises ``CapacityTimeoutError`` when ``max_wait_s`` ran out."""
+             protect: Optional[List] = None) -> Optional[Union[MigrateToSpot, GiveUp]]:
+        """One policy step (at most every 0.5 s). Returns what the controller must carry
+        out itself: a migration, or giving up (``max_wait_s`` ran out)."""
         now = time.monotonic()
         if now - self._last_tick < TICK_S:
             return None
@@ -76,6 +78,10 @@ class CapacityDriver:
             self._events.emit(EventKind.DECISION, d.reason, decision=d.to_event()["kind"],
                               counts=dict(d.counts), phase=step.phase.value)
             return None
+        if isinstance(d, GiveUp):
+            self._events.emit(EventKind.DECISION, d.reason, decision=d.to_event()["kind"],
+                              waited_s=round(d.waited_s, 1), phase=step.phase.value)
+            return d
         if isinstance(d, MigrateToSpot):
             self._events.emit(EventKind.DECISION, d.reason, decision="capacity.migrate_to_spot",
                               target=dict(d.target), workers=d.workers, phase=step.phase.value)
@@ -83,8 +89,6 @@ class CapacityDriver:
         return None
 
     def _request(self, counts: Dict[str, int], members: List) -> None:
-        from ray.autoscaler.sdk import request_resources
-
         try:
             request_resources(**self.policy.request_args(counts))
         except Exception as e:  # noqa: BLE001 - no autoscaler (a static cluster): pools still work
@@ -100,8 +104,6 @@ class CapacityDriver:
         if not self.requested:
             return
         try:
-            from ray.autoscaler.sdk import request_resources
-
             request_resources(bundles=[])
         except Exception:  # noqa: BLE001
             pass

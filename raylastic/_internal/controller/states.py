@@ -8,13 +8,15 @@
 ``Scheduling`` waits until enough workers are ready and forms a group (a new membership
 epoch), restoring the last committed checkpoint. ``Running`` polls the group.
 ``Resizing`` stops the group (gracefully at an agreed report for a scale-up, at once
-after a failure) and hands the surviving, still-warm workers back to ``Scheduling``.
+after a failure) and hands the surviving, still-warm workers back to ``Scheduling``. A
+graceful stop takes many ticks (``Resizing -> Resizing``), so a requested stop is seen
+between them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 from raylastic._internal.worker_group.pool import WorkerHandle
 from raylastic.errors import RankFailure
@@ -27,16 +29,25 @@ class Scheduling:
 
 
 @dataclass
+class Progress:
+    """What one group's members have reported (carried from Running into Resizing)."""
+
+    last_index: Dict[int, int] = field(default_factory=dict)  # wid -> last report index
+    finished: Dict[int, object] = field(default_factory=dict)  # wid -> return value
+    first_step_seen: bool = False
+
+    def reached(self, default: int = 0) -> int:
+        return max(self.last_index.values(), default=default)
+
+
+@dataclass
 class Running:
     epoch: int
     members: List[WorkerHandle]
     started_at: float
     restored_index: int
     memory_index: Optional[int] = None  # restored from this in-memory snapshot
-    last_index: Dict[int, int] = field(default_factory=dict)  # wid -> last report index
-    finished: Dict[int, object] = field(default_factory=dict)  # wid -> return value
-    first_step_seen: bool = False
-    unavailable_since: Dict[int, float] = field(default_factory=dict)
+    progress: Progress = field(default_factory=Progress)
 
 
 @dataclass
@@ -50,6 +61,8 @@ class Resizing:
     started_at: float = 0.0
     lost_ranks: List[int] = field(default_factory=list)
     leaving: List[WorkerHandle] = field(default_factory=list)  # stop, then release (drained nodes)
+    progress: Progress = field(default_factory=Progress)
+    stop: Any = None  # the GracefulStop in progress (graceful_stop.py), once begun
 
 
 @dataclass

@@ -17,7 +17,9 @@ from typing import Any, Dict, List, Optional
 import ray
 from ray.exceptions import RayActorError
 
-from raylastic._internal.worker_group.worker import TrainWorker
+from raylastic._internal.holdings import WHOLE, Holding, is_whole
+from raylastic._internal.worker_group.results import Holdings
+from raylastic.policies.node_types import RESOURCE_PREFIX
 
 logger = logging.getLogger("raylastic")
 
@@ -33,11 +35,21 @@ class WorkerHandle:
     node_type: Optional[str] = None  # the node type it was placed for (capacity policy)
     prev_rank: int = 1 << 30  # rank in the last group (new workers sort last)
     snapshots: List[int] = field(default_factory=list)  # in-memory ElasticState snapshots held
-    stripes: Dict[int, Any] = field(default_factory=dict)  # index -> (nshards, shards) if striped
+    stripes: Dict[int, Holding] = field(default_factory=dict)  # index -> holding, if not whole
 
-    def holding(self, index: int) -> Any:
-        """What this worker holds of snapshot ``index``: (nshards, shards); (0, ()) all."""
-        return self.stripes.get(index, (0, ()))
+    def holding(self, index: int) -> Holding:
+        """What this worker holds of snapshot ``index`` (``WHOLE``: all of it; only
+        meaningful for an index in ``snapshots``)."""
+        return self.stripes.get(index, WHOLE)
+
+    def update_holdings(self, view: Holdings) -> None:
+        self.snapshots, self.stripes = list(view.snapshots), dict(view.stripes)
+
+    def set_holding(self, index: int, holding: Holding) -> None:
+        if is_whole(holding):
+            self.stripes.pop(index, None)
+        else:
+            self.stripes[index] = holding
 
     @property
     def node_id(self) -> str:
@@ -87,8 +99,6 @@ class WorkerPool:
     def _actor_options(self, node_type: Optional[str] = None) -> Dict[str, Any]:
         res = dict(self._resources)
         if node_type is not None:
-            from raylastic.policies.node_types import RESOURCE_PREFIX
-
             res[f"{RESOURCE_PREFIX}{node_type}"] = 1.0
         opts: Dict[str, Any] = {
             "num_cpus": res.pop("CPU", 0),
@@ -112,6 +122,10 @@ class WorkerPool:
             missing = want - self.count(node_type)
             if missing <= 0:
                 continue
+            # Here, not at the top: the worker module imports torch, which the controller's
+            # process (where the pool lives) never needs.
+            from raylastic._internal.worker_group.worker import TrainWorker
+
             cls = ray.remote(TrainWorker).options(**self._actor_options(node_type))
             for _ in range(missing):
                 actor = cls.remote(*self._init_args)

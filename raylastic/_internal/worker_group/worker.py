@@ -14,41 +14,27 @@ import inspect
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import ray
 
 from raylastic import session as _session
 from raylastic._internal import ray_train_compat
+from raylastic._internal.cluster.drain import start_preemption_watcher
 from raylastic._internal.distributed import process_group
-from raylastic.session import GroupSpec, ReportRecord, RestoreInfo, Session, StopTraining
+from raylastic.checkpoint.uploader import AsyncUploader, checksum_tree
+from raylastic.policies.node_types import MARKET_LABEL, NODE_TYPE_LABEL, RESOURCE_PREFIX
+from raylastic.session import GroupSpec, ReportRecord, RestoreInfo, Session, StopTraining, checkpoint_rel
 from raylastic.state import STORE
+from raylastic._internal.holdings import Holding
 from raylastic._internal.stripes import held_leaves
-
-
-class WorkerStatus:
-    IDLE = "idle"
-    RUNNING = "running"
-    FINISHED = "finished"  # train function returned
-    STOPPED = "stopped"  # unwound for a resize (StopTraining) or aborted
-    ERROR = "error"  # train function raised
-
-
-@dataclass
-class PollResult:
-    status: str
-    epoch: int
-    records: List[ReportRecord] = field(default_factory=list)
-    error: Optional[str] = None
-    traceback: str = ""
-    index: int = 0
-    return_value: Any = None
-    snapshots: List[int] = field(default_factory=list)  # complete in-memory snapshot indices
-    stripes: Dict[int, Any] = field(default_factory=dict)  # index -> (nshards, shards) if striped
+from raylastic._internal.worker_group.results import (
+    Holdings, PersistedSnapshot, PollResult, StopAnswer, WorkerStatus,
+)
 
 
 class TrainWorker:
@@ -58,14 +44,10 @@ class TrainWorker:
                  persist_every: Optional[int] = None):
         import torch  # noqa: F401 - pay the import once per process, not per attempt
 
-        from raylastic.checkpoint.uploader import AsyncUploader
-
         self._storage = storage
         self._uploader = AsyncUploader(storage)
         self._async_upload = async_upload
         self._persist_every = persist_every
-        from raylastic._internal.cluster.drain import start_preemption_watcher
-
         # Cloud spot/preemption notices -> a Ray drain of this node, which the controller
         # turns into a graceful shrink (docs/preemption.md). None unless
         # RAYLASTIC_PREEMPTION_SOURCES names a source.
@@ -161,14 +143,9 @@ class TrainWorker:
                 self._status, self._error, self._traceback = status, error, tb
                 self._return_value = value
 
-    def persist_snapshot(self, index: int, epoch: int) -> Dict[str, Any]:
+    def persist_snapshot(self, index: int, epoch: int) -> PersistedSnapshot:
         """Write the in-memory snapshot ``index`` to storage now (this worker's node is
         going away and no other worker holds the state). Returns where and what."""
-        import tempfile
-
-        from raylastic.checkpoint.uploader import checksum_tree
-        from raylastic.session import checkpoint_rel
-
         snap = self._snapshot(index)
         rel = checkpoint_rel(self._run_rel, index, epoch)
         start = time.perf_counter()
@@ -176,12 +153,12 @@ class TrainWorker:
             snap.save(d)
             files = [list(f) for f in checksum_tree(d)]
             self._storage.upload_dir(d, rel)
-        return {"rel": rel, "files": files, "upload_s": time.perf_counter() - start}
+        return PersistedSnapshot(rel=rel, files=files, upload_s=time.perf_counter() - start)
 
-    def holdings(self) -> Dict[str, Any]:
+    def holdings(self) -> Holdings:
         """Complete in-memory snapshots here, and which of them are striped (as poll()
         reports them, without draining reports)."""
-        return {"snapshots": STORE.complete_indices(self._run_rel), "stripes": STORE.stripes(self._run_rel)}
+        return Holdings(snapshots=STORE.complete_indices(self._run_rel), stripes=STORE.stripes(self._run_rel))
 
     def export_snapshot(self, index: int) -> Dict[str, Any]:
         """The tensors of in-memory snapshot ``index`` this worker holds (by position),
@@ -195,11 +172,10 @@ class TrainWorker:
             raise RuntimeError(f"no complete in-memory snapshot {index} here")
         return snap
 
-    def merge_snapshot(self, index: int, exported: Dict[str, Any]) -> Any:
+    def merge_snapshot(self, index: int, exported: Dict[str, Any]) -> Holding:
         """Add another worker's shards of snapshot ``index`` to this worker's copy.
-        Returns what it holds now: (nshards, shards), (0, ()) for all of it."""
-        holding = STORE.merge(self._run_rel, index, exported["holding"], exported["leaves"])
-        return holding if holding is not None else (0, ())
+        Returns what it holds now (``WHOLE`` once it has all of it)."""
+        return STORE.merge(self._run_rel, index, exported["holding"], exported["leaves"])
 
     def _finish_uploads(self, sess: Session) -> None:
         """Training ended: the last checkpoint must reach storage before we say so."""
@@ -214,15 +190,15 @@ class TrainWorker:
                 status=self._status, epoch=self._epoch, records=records, error=self._error,
                 traceback=self._traceback, index=sess.current_index() if sess else 0,
                 return_value=self._return_value if self._status == WorkerStatus.FINISHED else None,
-                **self.holdings(),
+                holdings=self.holdings(),
             )
 
-    def request_stop_at(self, index: int) -> Dict[str, Any]:
+    def request_stop_at(self, index: int) -> StopAnswer:
         sess = self._session
         if sess is None:
-            return {"ok": True, "index": 0}
+            return StopAnswer(ok=True, index=0)
         ok = sess.request_stop_at(index)
-        return {"ok": ok, "index": sess.current_index()}
+        return StopAnswer(ok=ok, index=sess.current_index())
 
     def abort(self, epoch: Optional[int] = None) -> int:
         """Make the train function of membership epoch ``epoch`` (None: the current one)
@@ -259,8 +235,6 @@ class TrainWorker:
 def _node_type(node_id: str):
     """The node type (custom resource ``node_type:<name>``) and market (label
     ``raylastic.io/market``) of a node; ("default", None) when it carries neither."""
-    from raylastic.policies.node_types import MARKET_LABEL, NODE_TYPE_LABEL, RESOURCE_PREFIX
-
     for n in ray.nodes():
         if n.get("NodeID") != node_id:
             continue

@@ -1,0 +1,161 @@
+"""Restoring from peer memory: which state a new group starts from, and keeping
+in-memory snapshots alive while workers leave.
+
+``ElasticState`` snapshots live in the workers' processes (striped: each rank holds
+some shards of each, see ``_internal/holdings.py``). This module decides, from what
+every member holds, whether the next group can restore from memory or must read the
+last committed checkpoint, and says why in the event log when memory was not enough.
+Before workers leave (a drain, a migration, a hung worker being replaced) it moves the
+shards only they hold to a worker that stays, over Ray, or writes the snapshot to
+storage when nobody stays.
+
+It decides; the worker group (``WorkerGroup``) makes the actor calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Sequence
+
+from raylastic._internal.holdings import covered, is_whole, restore_from_memory_possible
+from raylastic._internal.worker_group.group import Interrupted, WorkerGroup
+from raylastic._internal.worker_group.pool import WorkerHandle
+from raylastic.checkpoint.manager import CheckpointManager, CommittedCheckpoint
+from raylastic.events import EventKind, EventLog
+from raylastic.session import RestoreInfo
+
+logger = logging.getLogger("raylastic")
+
+
+class MemoryRestore:
+    def __init__(self, group: WorkerGroup, ckpt: CheckpointManager, events: EventLog):
+        self._group = group
+        self._ckpt = ckpt
+        self._events = events
+        # Set when an in-memory snapshot did not fit the train function's objects: the
+        # next group restores from storage (and the members drop the newer snapshots).
+        self.skip_next = False
+
+    # -- planning ------------------------------------------------------------------------
+    def plan(self, members: Sequence[WorkerHandle], restart_count: int,
+             latest: Optional[CommittedCheckpoint]) -> RestoreInfo:
+        """Newest state every member can get: an in-memory snapshot all snapshot holders
+        share and whose shards they cover together (holders send what others lack), else
+        ``latest``, the last valid committed checkpoint in storage."""
+        mem = None if self.skip_next else restore_from_memory_possible(
+            {m.wid: m.snapshots for m in members}, {m.wid: m.stripes for m in members})
+        if mem is not None and (latest is None or mem >= latest.index):
+            return RestoreInfo(checkpoint_rel=latest.rel if latest else None, index=mem,
+                               restart_count=restart_count, memory_index=mem,
+                               broadcast=any(mem not in m.snapshots or mem in m.stripes for m in members))
+        return RestoreInfo(checkpoint_rel=latest.rel if latest else None,
+                           index=latest.index if latest else 0, restart_count=restart_count)
+
+    def explain_storage_restore(self, members: Sequence[WorkerHandle],
+                                latest: Optional[CommittedCheckpoint]) -> None:
+        """Members held in-memory snapshots, yet the group restores from storage: say why
+        in the event log (a node and its snapshot peer lost, or no shared snapshot)."""
+        holders = [m for m in members if m.snapshots]
+        if not holders or self.skip_next:
+            return
+        common = set.intersection(*(set(m.snapshots) for m in holders))
+        newest = max(common, default=None)
+        if newest is not None and (latest is None or newest > latest.index):
+            why = (f"the surviving workers' shards of snapshot {newest} do not cover the state "
+                   "(a node and the node holding the second copy of its shard were both lost)")
+        elif newest is None:
+            why = "the surviving workers share no in-memory snapshot"
+        else:
+            return  # the checkpoint in storage is as new as memory: nothing lost
+        self._events.emit(EventKind.DECISION, f"{why}; restoring from "
+                          + (f"checkpoint {latest.index} in storage" if latest else "the start"),
+                          decision="memory_restore_impossible", snapshot_index=newest,
+                          fallback_index=latest.index if latest else 0)
+
+    # -- keeping snapshots while workers leave ---------------------------------------------
+    def evacuate(self, members: Sequence[WorkerHandle], leaving: Sequence[WorkerHandle],
+                 index: int, epoch: int) -> None:
+        """Keep snapshot ``index`` when leaving members hold shards of it the staying ones
+        lack: their shards move to a staying holder, or, when every holder is leaving
+        (all members were on draining nodes), the snapshot is assembled on one of them
+        and written to storage before they go, so the next group loses nothing. (A stop
+        normally makes every rank take a full copy; this covers the rest.)"""
+        staying = [m for m in members if m not in leaving]
+        holders = [m for m in members if index in m.snapshots]
+        stay_holders = [m for m in holders if m in staying]
+        if not leaving or not holders or (stay_holders and covered([m.holding(index) for m in stay_holders])):
+            return
+        target = (stay_holders or holders)[0]
+        try:
+            if not self._gather(target, holders, index):
+                return
+            if target in staying:
+                self._events.emit(EventKind.DECISION, f"moved the leaving workers' shards of snapshot "
+                                  f"{index} to rank {target.prev_rank} before their nodes go",
+                                  decision="evacuate", index=index, to_rank=target.prev_rank)
+                return
+            out = self._group.persist_snapshot(target, index, epoch)
+            self._ckpt.commit_evacuation(index, out.rel, out.files, out.upload_s)
+            self._events.emit(EventKind.DECISION, f"no remaining worker holds snapshot {index}: "
+                              f"persisted it to storage before the node goes", decision="evacuate",
+                              index=index, upload_s=round(out.upload_s, 3))
+        except Interrupted:
+            raise
+        except Exception as e:  # noqa: BLE001 - fall back to the last committed checkpoint
+            logger.warning("could not move or persist snapshot %s before evacuation: %s", index, e)
+
+    def rescue(self, hung: WorkerHandle, stopped: List[WorkerHandle]) -> None:
+        """A worker about to be replaced (its train thread stuck in a collective) still
+        answers calls, and its snapshots are intact (no optimizer step ran since): move
+        the shards the stopped workers lack to one of them, so replacing it does not turn
+        a memory restore into a storage read. ``hung``'s holdings come from its last words."""
+        if not stopped:
+            return
+        try:  # fresh views: snapshots may have completed since the last poll
+            self._group.refresh_holdings(stopped)
+        except Interrupted:
+            raise
+        except Exception as e:  # noqa: BLE001 - the restore then falls back as planned
+            logger.warning("stopped ranks do not answer: %s", e)
+            return
+        common = [(i, m) for m in stopped for i in set(hung.snapshots) & set(m.snapshots)]
+        if not common:
+            return
+        index, to = max(common, key=lambda p: p[0])  # the newest: the one a restore would use
+        try:
+            if not self._merge(hung, to, index):
+                return  # the receiver lacks nothing the hung worker has
+        except Interrupted:
+            raise
+        except Exception as e:  # noqa: BLE001 - the restore then falls back as planned
+            logger.warning("could not move snapshot %s's shards off hung rank %s: %s", index, hung.prev_rank, e)
+            return
+        self._events.emit(EventKind.DECISION, f"moved hung rank {hung.prev_rank}'s shards of snapshot "
+                          f"{index} to rank {to.prev_rank} before replacing it", decision="evacuate",
+                          index=index, to_rank=to.prev_rank)
+
+    def _gather(self, target: WorkerHandle, holders: List[WorkerHandle], index: int) -> bool:
+        """Merge other holders' shards of snapshot ``index`` into ``target`` until it holds
+        all of it. False (and a log line) when the holders together do not cover it."""
+        if not covered([m.holding(index) for m in holders]):
+            logger.warning("the holders of snapshot %s do not cover it; not moving it", index)
+            return False
+        for m in holders:
+            if is_whole(target.holding(index)):
+                break
+            if m is not target:
+                self._merge(m, target, index)
+        if not is_whole(target.holding(index)):
+            logger.warning("snapshot %s is still not whole on rank %s after merging (%s)",
+                           index, target.prev_rank, target.holding(index))
+            return False
+        return True
+
+    def _merge(self, frm: WorkerHandle, to: WorkerHandle, index: int) -> bool:
+        """Copy ``frm``'s shards of snapshot ``index`` that ``to`` lacks into ``to``'s copy.
+        False when ``frm`` adds nothing."""
+        theirs, have = frm.holding(index), to.holding(index)
+        if is_whole(have) or (not is_whole(theirs) and set(theirs[1]) <= set(have[1])):
+            return False
+        self._group.merge_shards(frm, to, index)
+        return True

@@ -1,0 +1,425 @@
+"""The worker group: the members, and every call the controller makes to a worker actor.
+
+The controller decides and records; this class talks to the actors. It turns what the
+actors answer (or fail to answer) into typed values: a :class:`PollBatch` per poll, a
+:class:`StopOutcome` per stop, ``StopAnswer`` / ``Holdings`` / ``PersistedSnapshot``
+from the worker. It also owns the view of which nodes are draining (preemption notices)
+and tells a crashed worker from a lost node, since both are questions about the members
+that only Ray can answer.
+
+Every wait here is interruptible: ``interrupt()`` (called on Ctrl-C or
+``request_stop``) is checked at least every ``SLICE_S``, and a wait it cuts short
+raises :class:`Interrupted`. So a stop is seen within a second even in the middle
+of a graceful stop or an evacuation (whose calls can take up to ``JOIN_TIMEOUT_S``).
+
+``tests/unit/test_controller.py`` has a fake with the same methods, to step the
+controller by hand without Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+
+from raylastic._internal.holdings import Holding, plan_stripes
+from raylastic._internal.worker_group.pool import WorkerHandle, WorkerPool
+from raylastic._internal.worker_group.results import (
+    Holdings, PersistedSnapshot, PollResult, StopAnswer,
+)
+from raylastic.session import GroupSpec, RestoreInfo
+
+logger = logging.getLogger("raylastic")
+
+# How long a worker may not answer polls before it is declared lost. Ray's own health
+# checks usually declare the actor dead sooner (see README: failure detection).
+UNAVAILABLE_GRACE_S = 15.0
+# How long survivors get to unwind their train function before being replaced, and the
+# bound on one call that moves snapshot shards.
+JOIN_TIMEOUT_S = 30.0
+# After an abort, the least time a worker gets to unwind (see ``stop``), and the bound on
+# asking a worker about to be replaced for its last words.
+ABORT_JOIN_MIN_S = 5.0
+# Process-group formation timeout.
+GROUP_TIMEOUT_S = 60.0
+# How often a wait checks the stop flag.
+SLICE_S = 0.25
+# How often to ask the GCS which nodes are draining (preemption notices).
+DRAIN_CHECK_INTERVAL_S = 0.5
+
+
+class Interrupted(Exception):
+    """A stop was requested while the group was waiting on its workers."""
+
+
+class GroupFormationError(Exception):
+    """The process group could not be formed; ``gone`` workers were removed."""
+
+    def __init__(self, message: str, gone: int):
+        super().__init__(message)
+        self.gone = gone
+
+
+@dataclass
+class PollBatch:
+    """One poll of some members: answers by wid, members declared lost and why."""
+
+    results: Dict[int, PollResult] = field(default_factory=dict)
+    lost: List[WorkerHandle] = field(default_factory=list)
+    causes: Dict[int, Optional[BaseException]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Formed:
+    """A group set up for one membership epoch: members in rank order, their specs."""
+
+    members: List[WorkerHandle]
+    specs: List[GroupSpec]
+
+    @property
+    def stripes(self) -> Optional[List[Tuple[int, ...]]]:
+        return [s.stripe for s in self.specs] if any(s.stripe for s in self.specs) else None
+
+
+@dataclass(frozen=True)
+class HungWorker:
+    """A member whose train thread did not unwind: why, where it was stuck, and its
+    last poll (None when the actor did not answer either)."""
+
+    member: WorkerHandle
+    why: str
+    stuck_at: str
+    last_words: Optional[PollResult]
+
+
+@dataclass(frozen=True)
+class StopOutcome:
+    stopped: List[WorkerHandle]
+    hung: List[HungWorker]
+
+
+class WorkerGroup:
+    """Owns the worker pool and every worker-actor call (see the module docstring)."""
+
+    def __init__(self, pool: WorkerPool, poll_interval_s: float):
+        self.pool = pool
+        self._interrupt = threading.Event()
+        self._poll_interval_s = poll_interval_s
+        self._unavailable_since: Dict[int, float] = {}
+        self.draining: Dict[str, int] = {}  # node id -> drain deadline (ms since epoch; 0: none)
+        self._draining_checked_at = 0.0
+
+    # -- the pool's lifecycle ---------------------------------------------------------
+    def refresh(self) -> List[WorkerHandle]:
+        """Workers that became ready since the last call."""
+        return self.pool.refresh()
+
+    def fill(self) -> None:
+        self.pool.fill()
+
+    def ready_spares(self, members: Sequence[WorkerHandle]) -> List[WorkerHandle]:
+        return self.pool.ready_spares(list(members))
+
+    def ready_workers(self) -> List[WorkerHandle]:
+        return [h for h in self.pool.workers.values() if h.ready]
+
+    def is_member(self, h: WorkerHandle) -> bool:
+        return h.wid in self.pool.workers
+
+    @property
+    def last_ready_at(self) -> Optional[float]:
+        return self.pool.last_ready_at
+
+    def set_target(self, node_type: Optional[str], count: int) -> None:
+        self.pool.targets[node_type] = count
+
+    def remove(self, h: WorkerHandle) -> None:
+        """Kill a worker's actor and forget it; ``fill`` asks for a new one (unless its
+        node type's target was lowered)."""
+        self.pool.remove(h, kill=True)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
+    # -- waiting -----------------------------------------------------------------------
+    def interrupt(self) -> None:
+        """Cut every wait short from now on (thread-safe: called from another thread)."""
+        self._interrupt.set()
+
+    def check_interrupt(self) -> None:
+        if self._interrupt.is_set():
+            raise Interrupted("stop requested")
+
+    def _wait(self, refs: List[Any], timeout_s: float) -> Tuple[List[Any], List[Any]]:
+        """``ray.wait`` for all of ``refs``, in slices, raising ``Interrupted`` on a stop."""
+        deadline = time.monotonic() + timeout_s
+        pending, done = list(refs), []
+        while pending:
+            self.check_interrupt()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(SLICE_S, left))
+            done += ready
+        return done, pending
+
+    def _get(self, ref: Any, timeout_s: float) -> Any:
+        done, _ = self._wait([ref], timeout_s)
+        if not done:
+            raise GetTimeoutError(f"no answer within {timeout_s} s")
+        return ray.get(ref)
+
+    def _get_all(self, refs: List[Any], timeout_s: float) -> List[Any]:
+        done, _ = self._wait(refs, timeout_s)
+        if len(done) < len(refs):
+            raise GetTimeoutError(f"{len(refs) - len(done)} of {len(refs)} workers gave no answer "
+                                  f"within {timeout_s} s")
+        return ray.get(refs)
+
+    # -- forming and starting a group ----------------------------------------------------
+    def setup(self, members: List[WorkerHandle], epoch: int, backend: str) -> Formed:
+        """Rank the members (by node), host the rendezvous store on the first, and join
+        every member to the torch process group of ``epoch``. On failure, removes the
+        workers that are gone and raises ``GroupFormationError``."""
+        members = order_by_node(members)
+        world = len(members)
+        try:
+            addr = self._get(members[0].actor.host_store.remote(world, GROUP_TIMEOUT_S), GROUP_TIMEOUT_S)
+            node_ranks, local = local_ranks(members)
+            stripes = plan_stripes([m.node_id for m in members])  # used by ElasticState(striped=True)
+            specs = [
+                GroupSpec(epoch=epoch, rank=r, world_size=world, local_rank=local[m.wid][0],
+                          local_world_size=local[m.wid][1], node_rank=node_ranks[m.node_id],
+                          master_addr=addr["addr"], master_port=addr["port"], backend=backend,
+                          timeout_s=GROUP_TIMEOUT_S, stripe=stripes[r] if stripes else ())
+                for r, m in enumerate(members)
+            ]
+            self._get_all([m.actor.setup_group.remote(s) for m, s in zip(members, specs)], GROUP_TIMEOUT_S + 10)
+        except (RayActorError, GetTimeoutError) as e:
+            dead = self.probe(members, timeout_s=2.0)
+            for h in members:
+                if h.wid in dead:
+                    self.pool.remove(h, kill=True)
+            raise GroupFormationError(str(e), gone=len(dead)) from e
+        for r, m in enumerate(members):
+            m.prev_rank = r
+        self._unavailable_since.clear()
+        return Formed(members, specs)
+
+    def start(self, formed: Formed, train_func: Callable, config: Optional[Dict[str, Any]],
+              restore: RestoreInfo) -> None:
+        self._get_all([m.actor.start.remote(train_func, config, s, restore)
+                       for m, s in zip(formed.members, formed.specs)], GROUP_TIMEOUT_S)
+
+    # -- polling and liveness ------------------------------------------------------------
+    def poll(self, members: Sequence[WorkerHandle]) -> PollBatch:
+        """Poll every member once (waits at most ``max(1 s, poll interval)``). A member
+        that does not answer for ``UNAVAILABLE_GRACE_S`` or whose actor died is lost.
+        Members' snapshot holdings are refreshed from their answers."""
+        refs = {m.actor.poll.remote(): m for m in members}
+        done, not_done = self._wait(list(refs), max(1.0, self._poll_interval_s))
+        batch = PollBatch()
+        now = time.monotonic()
+        for ref in done:
+            m = refs[ref]
+            try:
+                batch.results[m.wid] = r = ray.get(ref)
+                self._unavailable_since.pop(m.wid, None)
+                m.update_holdings(r.holdings)
+            except ActorUnavailableError:
+                self._count_silence(m, now, batch)
+            except RayActorError as e:
+                batch.lost.append(m)
+                batch.causes[m.wid] = e
+        for ref in not_done:
+            self._count_silence(refs[ref], now, batch)
+        return batch
+
+    def _count_silence(self, m: WorkerHandle, now: float, batch: PollBatch) -> None:
+        since = self._unavailable_since.setdefault(m.wid, now)
+        if now - since > UNAVAILABLE_GRACE_S:
+            batch.lost.append(m)
+
+    def probe(self, handles: Sequence[WorkerHandle], timeout_s: float) -> Dict[int, Optional[BaseException]]:
+        """Workers that are dead or do not answer within the timeout: wid -> cause."""
+        if not handles:
+            return {}
+        refs = {h.actor.info.remote(): h for h in handles}
+        done, not_done = self._wait(list(refs), timeout_s)
+        dead: Dict[int, Optional[BaseException]] = {}
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError as e:  # ActorDiedError / ActorUnavailableError
+                dead[refs[ref].wid] = e
+        for ref in not_done:
+            dead[refs[ref].wid] = None
+        return dead
+
+    def wait_for_dead_peer(self, others: Sequence[WorkerHandle], grace_s: float) -> Dict[int, Optional[BaseException]]:
+        """A rank raised: was it because a peer vanished? Look for a dead peer for up
+        to ``grace_s``; returns the dead ones (wid -> cause), maybe none."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = self.probe(others, timeout_s=max(0.1, min(1.0, deadline - time.monotonic())))
+            if dead or time.monotonic() >= deadline:
+                return dead
+            self.check_interrupt()
+            time.sleep(0.2)
+
+    def is_crash(self, m: WorkerHandle, cause: Optional[BaseException]) -> bool:
+        """A dead actor whose node is still alive crashed on its own (a real failure);
+        one whose node is gone (or was preempted) is a node loss."""
+        if isinstance(cause, ActorDiedError) and getattr(cause, "preempted", False):
+            return False
+        try:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001
+            return False
+        return bool(m.node_id) and m.node_id in alive and isinstance(cause, ActorDiedError)
+
+    # -- preemption notices --------------------------------------------------------------
+    def drained(self, members: Sequence[WorkerHandle], fresh: bool = False) -> List[WorkerHandle]:
+        """Members on nodes Ray is draining (a preemption notice: ``ray drain-node``, the
+        autoscaler/KubeRay, or raylastic's cloud-metadata watcher). Checked every 0.5 s,
+        or now when ``fresh`` (before forming a group)."""
+        now = time.monotonic()
+        if fresh or now - self._draining_checked_at >= DRAIN_CHECK_INTERVAL_S:
+            self._draining_checked_at = now
+            try:
+                from ray._private.state import state as gcs_state
+
+                self.draining = dict(gcs_state.get_draining_nodes())
+            except Exception as e:  # noqa: BLE001 - an older Ray or a GCS hiccup
+                logger.debug("could not read draining nodes: %s", e)
+        return [m for m in members if m.node_id in self.draining]
+
+    def time_to_deadline(self, leaving: Sequence[WorkerHandle]) -> float:
+        """Seconds until the earliest drain deadline of ``leaving`` (inf if none)."""
+        deadlines = [self.draining.get(m.node_id) for m in leaving]
+        deadlines = [d / 1000.0 for d in deadlines if d]
+        return min(deadlines) - time.time() if deadlines else float("inf")
+
+    # -- stopping ------------------------------------------------------------------------
+    def request_stop_at(self, members: Sequence[WorkerHandle], index: int) -> List[StopAnswer]:
+        return self._get_all([m.actor.request_stop_at.remote(index) for m in members], JOIN_TIMEOUT_S)
+
+    def abort(self, members: Sequence[WorkerHandle], epoch: int) -> List[Any]:
+        """Tell members to unwind the train function of ``epoch`` now (no waiting);
+        returns the calls' refs, which answer how many connections each shut."""
+        refs = []
+        for m in members:
+            try:
+                refs.append(m.actor.abort.remote(epoch))
+            except Exception:  # noqa: BLE001 - an actor already gone
+                pass
+        return refs
+
+    def stop(self, members: Sequence[WorkerHandle], epoch: int, graceful: bool, abort_join_s: float) -> StopOutcome:
+        """Make members' train threads exit: wait for them (``graceful``: they stop at
+        an agreed report, within ``JOIN_TIMEOUT_S``), or abort them first and wait
+        ``abort_join_s``. A member that does not exit is returned as hung, with where it
+        was stuck and its last words, for the controller to rescue and replace."""
+        if not members:
+            return StopOutcome([], [])
+        timeout_s, aborts = JOIN_TIMEOUT_S, {}
+        if not graceful:
+            aborts = {m.wid: ref for m, ref in zip(members, self.abort(members, epoch))}
+            timeout_s = abort_join_s
+        refs = {m.actor.join.remote(timeout_s): m for m in members}
+        # The aborts too: a thread that stopped on its own can join before its abort
+        # ran (actor calls run in a thread pool), and the next group must not form first.
+        if aborts:
+            self._wait(list(aborts.values()), timeout_s + 5)
+        done, not_done = self._wait(list(refs), timeout_s + 5)
+        stopped, hung = [], [(refs[ref], "did not answer") for ref in not_done]
+        for ref in done:
+            try:
+                if ray.get(ref):
+                    stopped.append(refs[ref])
+                    continue
+            except RayActorError:
+                pass
+            hung.append((refs[ref], "did not stop in time"))
+        wheres = self._where_stuck([m for m, _why in hung], aborts)
+        return StopOutcome(stopped, [HungWorker(m, why, wheres[m.wid], self._last_words(m)) for m, why in hung])
+
+    def _where_stuck(self, hung: List[WorkerHandle], aborts: Dict[int, Any]) -> Dict[int, str]:
+        """What workers about to be replaced were doing, for the event log: how many
+        group connections each one's abort shut down, and its train thread's innermost
+        frames. Asked of all at once, under one deadline."""
+        stacks = {m.wid: m.actor.train_stack.remote() for m in hung}
+        self._wait(list(stacks.values()), ABORT_JOIN_MIN_S)
+        out = {}
+        for m in hung:
+            parts = []
+            for label, ref in (("abort shut {} group connection(s)", aborts.get(m.wid)),
+                               ("{}", stacks[m.wid])):
+                if ref is None:
+                    continue
+                try:
+                    parts.append(label.format(ray.get(ref, timeout=0.1)))
+                except Exception as e:  # noqa: BLE001 - an actor that does not answer: say so
+                    parts.append(f"no answer ({type(e).__name__})")
+            out[m.wid] = "\n".join(p for p in parts if p)
+            logger.warning("replacing rank %s, which did not unwind: %s", m.prev_rank, out[m.wid])
+        return out
+
+    def _last_words(self, m: WorkerHandle) -> Optional[PollResult]:
+        """The reports a worker about to be replaced made since the last poll (its
+        actor answers; only its train thread is stuck), so its metrics and checkpoint
+        records are not lost with it. The poll also refreshes what snapshots it holds.
+        None if it does not answer."""
+        try:
+            last = self._get(m.actor.poll.remote(), ABORT_JOIN_MIN_S)
+        except Interrupted:
+            raise
+        except Exception as e:  # noqa: BLE001 - a dead or unresponsive actor: nothing to save
+            logger.debug("no last reports from rank %s: %s", m.prev_rank, e)
+            return None
+        m.update_holdings(last.holdings)
+        return last
+
+    # -- snapshots -----------------------------------------------------------------------
+    def refresh_holdings(self, members: Sequence[WorkerHandle]) -> None:
+        """Ask members which snapshots they hold now (raises if one does not answer)."""
+        views: List[Holdings] = self._get_all([m.actor.holdings.remote() for m in members], ABORT_JOIN_MIN_S)
+        for m, view in zip(members, views):
+            m.update_holdings(view)
+
+    def merge_shards(self, frm: WorkerHandle, to: WorkerHandle, index: int) -> Holding:
+        """Copy ``frm``'s shards of snapshot ``index`` into ``to``'s copy (over Ray);
+        returns what ``to`` holds now, and records it on ``to``."""
+        have = tuple(self._get(to.actor.merge_snapshot.remote(index, frm.actor.export_snapshot.remote(index)),
+                               JOIN_TIMEOUT_S))
+        to.set_holding(index, have)
+        return have
+
+    def persist_snapshot(self, m: WorkerHandle, index: int, epoch: int) -> PersistedSnapshot:
+        return self._get(m.actor.persist_snapshot.remote(index, epoch), JOIN_TIMEOUT_S)
+
+
+def order_by_node(members: List[WorkerHandle]) -> List[WorkerHandle]:
+    """Rank order: survivors keep their relative order (rank 0 stays rank 0 when it
+    survives); workers on one node get consecutive ranks."""
+    first_rank_on_node: Dict[str, tuple] = {}
+    for m in members:
+        key = (m.prev_rank, m.wid)
+        first_rank_on_node[m.node_id] = min(first_rank_on_node.get(m.node_id, key), key)
+    return sorted(members, key=lambda m: (first_rank_on_node[m.node_id], m.prev_rank, m.wid))
+
+
+def local_ranks(members: List[WorkerHandle]):
+    """Node rank of each node, and (local rank, local world size) of each member."""
+    node_ranks: Dict[str, int] = {}
+    per_node: Dict[str, List[WorkerHandle]] = {}
+    for m in members:
+        node_ranks.setdefault(m.node_id, len(node_ranks))
+        per_node.setdefault(m.node_id, []).append(m)
+    local = {m.wid: (i, len(ms)) for ms in per_node.values() for i, m in enumerate(ms)}
+    return node_ranks, local

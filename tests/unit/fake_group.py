@@ -1,0 +1,203 @@
+"""A fake ``WorkerGroup`` for stepping the controller by hand, without Ray.
+
+Each fake worker is a tiny train function simulated at poll time: every poll of a
+running worker is one report (a ``ReportRecord``; rank 0 writes a real checkpoint file
+to the run's storage every ``checkpoint_every`` reports). Tests script faults on it:
+a lost node, a rank that raises, a drained node, a worker that stalls, a stop that
+blocks until the controller is interrupted. Instances hold all their state (no
+class-level state), so tests do not leak into each other.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+from raylastic._internal.worker_group.group import Formed, Interrupted, PollBatch, StopOutcome, order_by_node
+from raylastic._internal.worker_group.pool import WorkerHandle
+from raylastic._internal.worker_group.results import PollResult, StopAnswer, WorkerStatus
+from raylastic.session import GroupSpec, ReportRecord, RestoreInfo, checkpoint_rel
+
+
+@dataclass
+class FakeWorker:
+    handle: WorkerHandle
+    status: str = WorkerStatus.IDLE
+    epoch: int = -1
+    rank: int = -1
+    index: int = 0
+    stop_at: Optional[int] = None
+    raise_at: Optional[int] = None
+    stalled: bool = False  # reports nothing (a slow step that never ends)
+    dead: bool = False
+    crashed: bool = False  # died on a live node (a real failure), not a node loss
+    restores: List[RestoreInfo] = field(default_factory=list)
+
+
+class FakeGroup:
+    def __init__(self, storage, run_rel: str, total: int = 1000, checkpoint_every: Optional[int] = None):
+        self.pool = None  # no capacity driver in these tests
+        self._storage = storage
+        self._run_rel = run_rel
+        self._total = total
+        self._checkpoint_every = checkpoint_every
+        self.workers: Dict[int, FakeWorker] = {}
+        self._new: List[WorkerHandle] = []
+        self._next_wid = 0
+        self.draining: Dict[str, int] = {}
+        self.last_ready_at: Optional[float] = None
+        self.targets: Dict[Optional[str], int] = {}
+        self._interrupt = threading.Event()
+        self.block_stop = False  # stop() waits for the controller's interrupt
+        self.stop_calls: List[bool] = []  # graceful flag of each stop()
+        self.on_report: Optional[Callable[[int, int], None]] = None  # (rank, index) before each report
+
+    # -- scripting -----------------------------------------------------------------
+    def add_worker(self, node: str) -> WorkerHandle:
+        wid = self._next_wid
+        self._next_wid += 1
+        h = WorkerHandle(wid, actor=None, info_ref=None, created_at=time.monotonic(),
+                         info={"node_id": node, "pid": 1000 + wid, "node_type": None, "market": None})
+        self._new.append(h)
+        return h
+
+    def lose_node(self, node: str) -> None:
+        for w in self.workers.values():
+            if w.handle.node_id == node:
+                w.dead = True
+
+    def worker(self, h: WorkerHandle) -> FakeWorker:
+        return self.workers[h.wid]
+
+    # -- WorkerGroup's interface -----------------------------------------------------
+    def interrupt(self) -> None:
+        self._interrupt.set()
+
+    def refresh(self) -> List[WorkerHandle]:
+        newly, self._new = self._new, []
+        for h in newly:
+            h.ready_at = self.last_ready_at = time.monotonic()
+            self.workers[h.wid] = FakeWorker(h)
+        return newly
+
+    def fill(self) -> None:
+        pass  # replacements arrive only when a test adds them
+
+    def ready_spares(self, members: Sequence[WorkerHandle]) -> List[WorkerHandle]:
+        ids = {m.wid for m in members}
+        return [w.handle for w in self.workers.values() if w.handle.wid not in ids]
+
+    def ready_workers(self) -> List[WorkerHandle]:
+        return [w.handle for w in self.workers.values()]
+
+    def is_member(self, h: WorkerHandle) -> bool:
+        return h.wid in self.workers
+
+    def set_target(self, node_type, count: int) -> None:
+        self.targets[node_type] = count
+
+    def remove(self, h: WorkerHandle) -> None:
+        self.workers.pop(h.wid, None)
+
+    def shutdown(self) -> None:
+        self.workers.clear()
+
+    def setup(self, members: List[WorkerHandle], epoch: int, backend: str) -> Formed:
+        members = order_by_node(members)
+        specs = [GroupSpec(epoch=epoch, rank=r, world_size=len(members), local_rank=0, local_world_size=1,
+                           node_rank=r, master_addr="127.0.0.1", master_port=1, backend=backend)
+                 for r in range(len(members))]
+        for r, m in enumerate(members):
+            m.prev_rank = r
+            w = self.worker(m)
+            w.epoch, w.rank = epoch, r
+        return Formed(members, specs)
+
+    def start(self, formed: Formed, train_func, config, restore: RestoreInfo) -> None:
+        for m in formed.members:
+            w = self.worker(m)
+            w.status, w.index, w.stop_at = WorkerStatus.RUNNING, restore.index, None
+            w.restores.append(restore)
+
+    def poll(self, members: Sequence[WorkerHandle]) -> PollBatch:
+        batch = PollBatch()
+        for m in members:
+            w = self.workers.get(m.wid)
+            if w is None or w.dead:
+                batch.lost.append(m)
+                batch.causes[m.wid] = None
+                continue
+            batch.results[m.wid] = self._advance(w)
+        return batch
+
+    def _advance(self, w: FakeWorker) -> PollResult:
+        """One report of a running worker (the simulated train function)."""
+        records, error = [], None
+        if w.status == WorkerStatus.RUNNING and not w.stalled:
+            if w.stop_at is not None and w.index >= w.stop_at:
+                w.status = WorkerStatus.STOPPED
+            elif w.raise_at is not None and w.index + 1 == w.raise_at:
+                w.status, error = WorkerStatus.ERROR, f"ValueError: rank {w.rank} failed at {w.raise_at}"
+                w.raise_at = None
+            else:
+                w.index += 1
+                if self.on_report is not None:
+                    self.on_report(w.rank, w.index)
+                records.append(self._record(w))
+                if w.index >= self._total:
+                    w.status = WorkerStatus.FINISHED
+        return PollResult(status=w.status, epoch=w.epoch, records=records, error=error, index=w.index,
+                          return_value={"rank": w.rank} if w.status == WorkerStatus.FINISHED else None)
+
+    def _record(self, w: FakeWorker) -> ReportRecord:
+        rec = ReportRecord(index=w.index, rank=w.rank, epoch=w.epoch, ts=time.time(), metrics={"step": w.index})
+        if self._checkpoint_every and w.index % self._checkpoint_every == 0 and w.rank == 0:
+            rel = checkpoint_rel(self._run_rel, w.index, w.epoch)
+            data = f"state at {w.index}".encode()
+            self._storage.write_bytes(f"{rel}/state.bin", data)
+            rec.checkpoint_rel, rec.files = rel, [["state.bin", len(data), f"crc32:{zlib.crc32(data):08x}"]]
+        return rec
+
+    def wait_for_dead_peer(self, others: Sequence[WorkerHandle], grace_s: float):
+        return {m.wid: None for m in others if self.workers.get(m.wid) is None or self.worker(m).dead}
+
+    def is_crash(self, m: WorkerHandle, cause) -> bool:
+        w = self.workers.get(m.wid)
+        return bool(w and w.crashed)
+
+    def drained(self, members: Sequence[WorkerHandle], fresh: bool = False) -> List[WorkerHandle]:
+        return [m for m in members if m.node_id in self.draining]
+
+    def time_to_deadline(self, leaving: Sequence[WorkerHandle]) -> float:
+        return float("inf")
+
+    def request_stop_at(self, members: Sequence[WorkerHandle], index: int) -> List[StopAnswer]:
+        answers = []
+        for m in members:
+            w = self.worker(m)
+            if w.index > index:
+                answers.append(StopAnswer(ok=False, index=w.index))
+            else:
+                w.stop_at = index
+                answers.append(StopAnswer(ok=True, index=w.index))
+        return answers
+
+    def abort(self, members: Sequence[WorkerHandle], epoch: int) -> list:
+        for m in members:
+            w = self.workers.get(m.wid)
+            if w is not None and w.epoch == epoch and w.status == WorkerStatus.RUNNING:
+                w.status = WorkerStatus.STOPPED
+        return []
+
+    def stop(self, members: Sequence[WorkerHandle], epoch: int, graceful: bool, abort_join_s: float) -> StopOutcome:
+        self.stop_calls.append(graceful)
+        if self.block_stop:  # like an evacuation call that takes long: only a stop ends it
+            if not self._interrupt.wait(30):
+                raise AssertionError("the controller was never interrupted")
+            raise Interrupted("stop requested")
+        if not graceful:
+            self.abort(members, epoch)
+        return StopOutcome([m for m in members if m.wid in self.workers], [])

@@ -1,0 +1,221 @@
+"""The controller's loop stepped by hand against a fake worker group: no Ray.
+
+Each test scripts a fault on ``FakeGroup`` (tests/unit/fake_group.py), calls
+``Controller.tick()`` and asserts the exact sequence of states and the event log. The
+checkpoint manager and event log write to a real local storage directory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable, List
+
+import pytest
+
+from raylastic._internal.controller.controller import Controller
+from raylastic._internal.controller.states import Errored, Finished, Resizing, Running, Scheduling
+from raylastic.checkpoint.storage import RetryPolicy, Storage
+from raylastic.config import FailureConfig, RunConfig, ScalingConfig
+from raylastic.errors import TrainingAborted, TrainingFailedError
+from raylastic.events import EventKind, load_events
+from raylastic.policies.scaling import ElasticScalingPolicy
+
+from fake_group import FakeGroup
+
+RUN = "run"
+
+
+def _controller(tmp_path, group_kw=None, min_w=2, max_w=3, retry=None, **run_kw):
+    storage = Storage(str(tmp_path), retry=retry)
+    group = FakeGroup(storage, RUN, **(group_kw or {}))
+    run = RunConfig(name=RUN, storage_path=str(tmp_path), verbose=False, poll_interval_s=0.001, **run_kw)
+    ctrl = Controller(
+        lambda: None, None, ScalingConfig(min_workers=min_w, max_workers=max_w), run, storage, RUN, RUN,
+        # no settle window: workers added by a test join at the next tick
+        scaling_policy=ElasticScalingPolicy(min_workers=min_w, max_workers=max_w, settle_s=0.0),
+        group=group)
+    return ctrl, group
+
+
+def _tick_until(ctrl: Controller, done: Callable[[object], bool], max_ticks: int = 500) -> List[str]:
+    """Tick until ``done(state)``; returns the state names seen after each tick, with
+    consecutive repeats collapsed."""
+    seen: List[str] = []
+    for _ in range(max_ticks):
+        ctrl.tick()
+        name = type(ctrl._state).__name__
+        if not seen or seen[-1] != name:
+            seen.append(name)
+        if done(ctrl._state):
+            return seen
+    raise AssertionError(f"not done after {max_ticks} ticks; states {seen}")
+
+
+def _running(n: int):
+    return lambda st: isinstance(st, Running) and len(st.members) == n
+
+
+def _events(tmp_path, ctrl, kind=None):
+    events = load_events(os.path.join(str(tmp_path), RUN))
+    return [e for e in events if kind is None or e["kind"] == kind.value]
+
+
+def _start(ctrl, group, nodes):
+    handles = [group.add_worker(n) for n in nodes]
+    assert _tick_until(ctrl, _running(len(nodes))) == ["Running"]
+    return handles
+
+
+def test_node_loss_resizes_and_the_survivors_run_on(tmp_path):
+    ctrl, group = _controller(tmp_path)
+    a, b, c = _start(ctrl, group, ["na", "nb", "nc"])
+    _tick_until(ctrl, lambda st: st.progress.reached() >= 5)
+    group.lose_node("nc")
+
+    assert _tick_until(ctrl, _running(2)) == ["Resizing", "Scheduling", "Running"]
+    st = ctrl._state
+    assert [m.wid for m in st.members] == [a.wid, b.wid]  # the survivors, warm, same ranks
+    assert st.epoch == 2 and group.stop_calls == [False]  # aborted, not stopped gracefully
+    lost = _events(tmp_path, ctrl, EventKind.WORKER_LOST)
+    assert [(e["wid"], e["cause"]) for e in lost] == [(c.wid, "node_lost")]
+    resize = _events(tmp_path, ctrl, EventKind.RESIZE)
+    assert [r["graceful"] for r in resize] == [False]
+    assert ctrl._counts.node_losses == 1 and ctrl._counts.errors == 0 and ctrl._recoveries == 1
+
+
+def test_preemption_notice_stops_every_rank_at_one_index_then_shrinks(tmp_path):
+    ctrl, group = _controller(tmp_path)
+    a, b, c = _start(ctrl, group, ["na", "nb", "nc"])
+    _tick_until(ctrl, lambda st: st.progress.reached() >= 3)
+    group.draining["nc"] = 0
+
+    seen = _tick_until(ctrl, _running(2))
+    assert seen == ["Resizing", "Scheduling", "Running"]
+    stop_at = [e["stop_at"] for e in _events(tmp_path, ctrl, EventKind.DECISION) if e.get("decision") == "stop_at"]
+    assert len(stop_at) == 1
+    # every rank stopped right after the agreed report: the new group resumes there
+    assert ctrl._state.members[0].wid == a.wid
+    assert [group.worker(h).restores[-1].index for h in (a, b)] == [0, 0]  # nothing committed: fresh
+    assert group.stop_calls == [True]
+    lost = _events(tmp_path, ctrl, EventKind.WORKER_LOST)
+    assert [(e["wid"], e["cause"]) for e in lost] == [(c.wid, "preempted")]
+    assert ctrl._counts.node_losses == 0 and ctrl._recoveries == 0  # planned: not a failure
+
+
+def test_scale_up_waits_for_the_checkpoint_boundary_and_resumes_from_it(tmp_path):
+    ctrl, group = _controller(tmp_path, group_kw={"checkpoint_every": 5})
+    a, b = _start(ctrl, group, ["na", "nb"])
+    _tick_until(ctrl, lambda st: len(ctrl._ckpt.committed) >= 2 and st.progress.reached() % 5 == 1)
+    c = group.add_worker("nc")
+
+    assert _tick_until(ctrl, _running(3)) == ["Resizing", "Scheduling", "Running"]
+    stop_at = next(e["stop_at"] for e in _events(tmp_path, ctrl, EventKind.DECISION)
+                   if e.get("decision") == "stop_at")
+    assert stop_at % 5 == 0  # the next checkpoint boundary, so the new group redoes nothing
+    assert group.worker(a).index == group.worker(b).index == stop_at
+    restore = group.worker(c).restores[-1]
+    assert restore.index == stop_at and restore.checkpoint_rel.endswith(f"checkpoint_{stop_at:08d}-e1")
+    formed = _events(tmp_path, ctrl, EventKind.GROUP_FORMED)
+    assert [e["world_size"] for e in formed] == [2, 3]
+    resize = _events(tmp_path, ctrl, EventKind.RESIZE)[-1]
+    assert resize["graceful"] and resize["lost_steps"] == 0
+
+
+def test_rank_errors_are_retried_within_the_failure_budget_then_fail(tmp_path):
+    ctrl, group = _controller(tmp_path, failure_config=FailureConfig(max_failures=1))
+    a, b = _start(ctrl, group, ["na", "nb"])
+    group.worker(b).raise_at = group.worker(b).index + 2
+
+    assert _tick_until(ctrl, lambda st: isinstance(st, Running) and st.epoch == 2) == [
+        "Running", "Resizing", "Scheduling", "Running"]
+    assert ctrl._counts.errors == 1
+    group.worker(b).raise_at = group.worker(b).index + 2
+    assert _tick_until(ctrl, lambda st: isinstance(st, Errored)) == ["Running", "Errored"]
+    err = ctrl._state.error
+    assert isinstance(err, TrainingFailedError) and "rank 1" in str(err)
+    failures = _events(tmp_path, ctrl, EventKind.FAILURE)
+    assert [e["decision"] for e in failures] == ["Retry", "Raise"]
+
+
+def test_a_storage_failure_ends_the_run_with_training_failed_error(tmp_path):
+    ctrl, group = _controller(tmp_path, group_kw={"checkpoint_every": 5}, retry=RetryPolicy(max_attempts=1))
+    blocked = os.path.join(str(tmp_path), RUN, "checkpoints", "checkpoint_00000010-e1")
+
+    def block(rank, index):  # once checkpoint 5 is in, make checkpoint 10's manifest unwritable
+        if index == 7 and not os.path.exists(blocked):
+            with open(blocked, "w") as f:
+                f.write("a file where the checkpoint directory must go")
+
+    group.on_report = block
+    for n in ("na", "nb"):
+        group.add_worker(n)
+    outcome = ctrl.run()
+
+    err = outcome["error"]
+    assert isinstance(err, TrainingFailedError)
+    assert "could not write to the run's storage" in str(err) and "resume" in str(err)
+    assert outcome["checkpoint_index"] == 5  # the last committed one survives
+    assert isinstance(ctrl._state, Errored)
+
+
+def _request_stop_when(ctrl: Controller, ready: Callable[[], bool]) -> dict:
+    """Request a stop from another thread (like Ctrl-C reaching the actor) once
+    ``ready()``; returns when it was requested."""
+    out = {}
+
+    def watch():
+        deadline = time.monotonic() + 30
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        out["at"] = time.monotonic()
+        ctrl.request_stop()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return out
+
+
+def test_a_stop_request_ends_a_long_graceful_stop_between_ticks(tmp_path):
+    ctrl, group = _controller(tmp_path)
+    a, b, c = _start(ctrl, group, ["na", "nb", "nc"])
+    for h in (a, b, c):
+        group.worker(h).stalled = True  # a step that never ends: the stop index is never reached
+    group.draining["nc"] = 0
+    asked = _request_stop_when(ctrl, lambda: isinstance(ctrl._state, Resizing) and ctrl._state.stop is not None
+                               and ctrl._state.stop.target is not None)
+    outcome = ctrl.run()
+
+    took = time.monotonic() - asked["at"]
+    assert isinstance(outcome["error"], TrainingAborted)
+    states = [e["state"] for e in _events(tmp_path, ctrl, EventKind.STATE)]
+    assert states[-2:] == ["Resizing", "Errored"]  # ended in the middle of the stop
+    # The stop had up to 35 s left (JOIN_TIMEOUT_S + margin); the request cut it short.
+    assert took < 5.0, took
+
+
+def test_a_stop_request_interrupts_a_blocking_group_call(tmp_path):
+    ctrl, group = _controller(tmp_path)
+    _start(ctrl, group, ["na", "nb", "nc"])
+    group.block_stop = True  # stopping the survivors hangs until the controller is interrupted
+    group.lose_node("nc")
+    asked = _request_stop_when(ctrl, lambda: bool(group.stop_calls))
+    outcome = ctrl.run()
+
+    took = time.monotonic() - asked["at"]
+    assert isinstance(outcome["error"], TrainingAborted)
+    assert [e["decision"] for e in _events(tmp_path, ctrl, EventKind.DECISION)
+            if e.get("decision") == "abort"] == ["abort"]
+    assert took < 5.0, took  # the fake's call would have blocked 30 s
+
+
+def test_run_finishes_when_every_rank_returns(tmp_path):
+    ctrl, group = _controller(tmp_path, group_kw={"total": 20})
+    for n in ("na", "nb"):
+        group.add_worker(n)
+    outcome = ctrl.run()
+
+    assert outcome["error"] is None and outcome["return_value"] == {"rank": 0}
+    assert outcome["world_sizes"] == [2]
+    assert [e["state"] for e in _events(tmp_path, ctrl, EventKind.STATE)] == ["Running", "Finished"]
+    assert isinstance(ctrl._state, Finished)
