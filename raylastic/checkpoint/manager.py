@@ -6,6 +6,14 @@ checkpoint only when its manifest is written, and the manifest is written only a
 every rank of the group has reported that index (so every rank's shard is in place).
 Readers ignore directories without a valid manifest, and a directory is never
 rewritten: a retry that reaches the same index writes under a new epoch suffix.
+
+"Not committed" is decided only from answers the store gave: a manifest that is absent
+(the store said so) or present but unparsable (written by something else than this
+protocol, which writes it whole and last; kept on storage for a human, logged, skipped).
+A manifest or file the store could not be asked about (an outage, throttling) is retried
+under the Storage's RetryPolicy; if the retries run out the StorageError propagates. So an
+outage never makes a committed checkpoint look missing: a restore never falls back to an
+older checkpoint or a fresh start because of it, and nothing is deleted because of it.
 """
 
 from __future__ import annotations
@@ -57,7 +65,8 @@ class CheckpointManager:
 
     # -- listing / restore ---------------------------------------------------------
     def scan(self) -> List[CommittedCheckpoint]:
-        """Committed checkpoints in storage, oldest first; corrupt ones skipped."""
+        """Committed checkpoints in storage, oldest first; corrupt ones skipped. Raises
+        StorageError when the store stays unreachable past the retry policy."""
         found = []
         for name in self._storage.list_dir(self._dir):
             m = _DIR_RE.match(name)
@@ -70,9 +79,12 @@ class CheckpointManager:
         return found
 
     def _read_manifest(self, rel: str) -> Optional[CommittedCheckpoint]:
+        """The checkpoint committed in ``rel``; None when the store says it has no manifest,
+        or its manifest is corrupt. A store that cannot be read raises StorageError (after
+        the retry policy): "unreadable" is not "missing"."""
         try:
             raw = self._storage.read_bytes(f"{rel}/{MANIFEST}")
-        except Exception:  # noqa: BLE001 - no manifest: not committed
+        except FileNotFoundError:  # the store answered: never committed
             return None
         try:
             data = json.loads(raw)
@@ -83,8 +95,11 @@ class CheckpointManager:
                 world_size=int(data["world_size"]), ts=float(data["ts"]),
                 files=[tuple(f) for f in data.get("files", [])], metrics=data.get("metrics", {}),
             )
-        except Exception as e:  # noqa: BLE001
-            logger.warning("ignoring checkpoint %s: corrupt manifest (%s)", rel, e)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            # The manifest is written whole and last, so a corrupt one was not written by a
+            # commit: skip it, and leave it on storage (delete_uncommitted keeps it).
+            logger.warning("ignoring checkpoint %s: corrupt manifest (%s: %s)", rel,
+                           type(e).__name__, e)
             return None
 
     def latest(self) -> Optional[CommittedCheckpoint]:
@@ -93,7 +108,9 @@ class CheckpointManager:
     def latest_valid(self) -> Optional[CommittedCheckpoint]:
         """Newest committed checkpoint whose files are all there with their manifest
         sizes; a damaged one (files deleted or truncated behind our back) is skipped
-        with an event and the previous one is used."""
+        with an event and the previous one is used. Checking waits out a store outage
+        within the retry policy, then raises StorageError: an unverifiable checkpoint is
+        neither used nor skipped."""
         for ckpt in reversed(self._committed):
             problem = self._verify(ckpt)
             if problem is None:
@@ -104,20 +121,15 @@ class CheckpointManager:
         return None
 
     def _verify(self, ckpt: CommittedCheckpoint) -> Optional[str]:
-        import pyarrow.fs as pafs
-
+        """What is wrong with ``ckpt``'s files, or None; StorageError if they cannot be seen."""
         if not ckpt.files:
             return None
-        try:
-            infos = self._storage.fs.get_file_info([self._storage.path(ckpt.rel, f[0]) for f in ckpt.files])
-        except Exception as e:  # noqa: BLE001 - unreadable now: let the load itself fail loudly
-            logger.warning("could not verify checkpoint %s: %s", ckpt.rel, e)
-            return None
-        for f, info in zip(ckpt.files, infos):
-            if info.type != pafs.FileType.File:
+        sizes = self._storage.file_sizes([f"{ckpt.rel}/{f[0]}" for f in ckpt.files])
+        for f, size in zip(ckpt.files, sizes):
+            if size is None:
                 return f"{f[0]} missing"
-            if info.size != int(f[1]):
-                return f"{f[0]} has {info.size} bytes, manifest says {f[1]}"
+            if size != int(f[1]):
+                return f"{f[0]} has {size} bytes, manifest says {f[1]}"
         return None
 
     @property
@@ -218,7 +230,11 @@ class CheckpointManager:
                               reason=f"num_to_keep={self._num_to_keep}")
 
     def delete_uncommitted(self) -> None:
-        """Remove directories no group can commit any more (writers are all stopped)."""
+        """Remove directories no group can commit any more (writers are all stopped).
+
+        A directory goes only when the store itself answers that it has no manifest; one
+        whose manifest exists but is not in our list (corrupt, or a commit whose write
+        reply was lost) is kept. A store that cannot answer raises StorageError."""
         committed = {c.rel for c in self._committed}
         for name in self._storage.list_dir(self._dir):
             rel = f"{self._dir}/{name}"

@@ -24,8 +24,14 @@ Only a connection string can name a custom endpoint (e.g. Azurite); the other so
 talk to https://ACCOUNT.blob.core.windows.net.
 
 GCS: ``gs://`` uses pyarrow's GcsFileSystem and its default chain
-(GOOGLE_APPLICATION_CREDENTIALS, gcloud, metadata server). Only parsing is tested here: no
-local GCS server is available to the test suite.
+(GOOGLE_APPLICATION_CREDENTIALS, gcloud, metadata server). A custom endpoint comes from
+``?endpoint_override=host:port&scheme=http`` (credentials as above; add ``anonymous=true`` for
+an unauthenticated server), else from CLOUD_STORAGE_EMULATOR_ENDPOINT (read by
+google-cloud-cpp, which pyarrow's client is built on) or STORAGE_EMULATOR_HOST (Google's
+Python client and gcsfs): those name an emulator, so they imply anonymous access, as in
+Google's own clients. The test suite runs against fake-gcs-server
+(raylastic.testing.gcs_emulator). GCS has no directories and pyarrow lists only "directory
+marker" objects as directories, so listings under gs:// are recursive (see ``list_dir``).
 """
 
 from __future__ import annotations
@@ -405,6 +411,9 @@ class _Backend:
     secrets: tuple[str, ...] = ()
     bucket_path: str | None = None   # fs path whose existence means the bucket exists
     create_bucket: Callable[[], None] | None = None
+    # Directories are only prefixes the filesystem cannot list one level at a time (GCS
+    # through pyarrow: a non-recursive listing shows marker objects only, not prefixes).
+    implicit_dirs: bool = False
 
 
 def _s3_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
@@ -431,22 +440,52 @@ def _s3_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
     return _Backend(fs, _join(p.bucket, p.prefix), target, secrets, p.bucket, creator)
 
 
+GCS_EMULATOR_VARS = ("CLOUD_STORAGE_EMULATOR_ENDPOINT", "STORAGE_EMULATOR_HOST")
+
+
+def gcs_endpoint(options: Mapping[str, str], env: Mapping[str, str]
+                 ) -> tuple[str | None, str | None, str | None]:
+    """``(host:port, scheme, source)`` of a custom GCS endpoint, or Nones for Google's.
+
+    The URI's ``endpoint_override`` wins; else the first emulator variable that is set
+    (``http://127.0.0.1:4443`` or a bare ``127.0.0.1:4443``, which means http)."""
+    if options.get("endpoint_override"):
+        return options["endpoint_override"], options.get("scheme"), "endpoint_override"
+    for var in GCS_EMULATOR_VARS:
+        value = (env.get(var) or "").strip().rstrip("/")
+        if value:
+            parts = urlsplit(value if "://" in value else f"http://{value}")
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.path:
+                raise ValueError(f"{var}={value!r} is not an endpoint like http://host:port")
+            return parts.netloc, parts.scheme, var
+    return None, options.get("scheme"), None
+
+
 def _gcs_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
     import datetime
 
     opts = p.options
-    anonymous = _truthy(opts.get("anonymous"))
-    # Our RetryPolicy owns retrying; keep the client's own retry window short.
+    endpoint, scheme, source = gcs_endpoint(opts, env)
+    # An emulator named by the environment takes no credentials (as in Google's clients).
+    anonymous = _truthy(opts.get("anonymous")) or source in GCS_EMULATOR_VARS
+    # Our RetryPolicy owns retrying; keep the client's own retry window short (an
+    # unreachable endpoint then fails each attempt in ~1-2 s instead of 5-11 s).
     kwargs: dict = {"anonymous": anonymous,
-                    "retry_time_limit": datetime.timedelta(seconds=5)}
-    for key in ("endpoint_override", "scheme", "project_id"):
-        if opts.get(key):
-            kwargs[key] = opts[key]
+                    "retry_time_limit": datetime.timedelta(seconds=1)}
+    if endpoint:
+        kwargs["endpoint_override"] = endpoint
+    if scheme:
+        kwargs["scheme"] = scheme
+    if opts.get("project_id"):
+        kwargs["project_id"] = opts["project_id"]
     fs = pafs.GcsFileSystem(**kwargs)
-    where = f" at {opts['endpoint_override']}" if opts.get("endpoint_override") else ""
-    target = f"gcs bucket {p.bucket!r}{where} (credentials: {describe_gcs_credentials(env, anonymous)})"
+    where = f" at {scheme or 'https'}://{endpoint}" if endpoint else ""
+    creds = describe_gcs_credentials(env, anonymous)
+    if source in GCS_EMULATOR_VARS:
+        creds += f", emulator named by {source}"
+    target = f"gcs bucket {p.bucket!r}{where} (credentials: {creds})"
     return _Backend(fs, _join(p.bucket, p.prefix), target, (), p.bucket,
-                    lambda: fs.create_dir(p.bucket))
+                    lambda: fs.create_dir(p.bucket), implicit_dirs=True)
 
 
 def _bound_azure_sdk_retries(afs) -> None:
@@ -616,18 +655,39 @@ class Storage:
         return self._call("stat", rel,
                           lambda: self.fs.get_file_info(path).type != pafs.FileType.NotFound)
 
+    def file_sizes(self, rels: list[str]) -> list[int | None]:
+        """Size of each file in ``rels``, None where there is no file, in one retried call.
+
+        An unreachable store raises (TransientStorageError after the retries), never None:
+        "missing" must only ever mean the store answered that it is missing."""
+        paths = [self.path(r) for r in rels]
+
+        def stat() -> list[int | None]:
+            infos = self.fs.get_file_info(paths) if paths else []
+            return [i.size if i.type == pafs.FileType.File else None for i in infos]
+
+        return self._call("stat", rels[0] if len(rels) == 1 else f"{len(rels)} files", stat)
+
     def list_dir(self, rel: str = "") -> list[str]:
-        """Child base names (files and directories) of ``rel``; [] when it does not exist."""
+        """Child base names (files and directories) of ``rel``; [] when it does not exist.
+
+        Where directories are only name prefixes that the filesystem lists as marker objects
+        (GCS), the listing is recursive and reduced to the first level here: a recursive
+        request costs one call per 1,000 objects below ``rel``."""
         path = self.path(rel)
-        selector = pafs.FileSelector(path, allow_not_found=True, recursive=False)
+        recursive = self._backend.implicit_dirs
+        selector = pafs.FileSelector(path, allow_not_found=True, recursive=recursive)
+        parent = path.rstrip("/")
 
         def ls() -> list[str]:
             try:
                 infos = self.fs.get_file_info(selector)
             except (FileNotFoundError, NotADirectoryError):
                 return []
+            if recursive:
+                return sorted({i.path[len(parent) + 1:].split("/", 1)[0] for i in infos
+                               if i.path.startswith(parent + "/")} - {""})
             # adlfs may return grandchildren for a depth-1 listing: keep direct children only.
-            parent = path.rstrip("/")
             return sorted({i.base_name for i in infos
                            if i.base_name and i.path.rstrip("/").rsplit("/", 1)[0] == parent})
 
@@ -680,6 +740,9 @@ class Storage:
             raise ValueError("delete_dir('') would delete the storage root; name a subdirectory")
 
         def rm() -> None:
+            if self._backend.implicit_dirs:
+                self._delete_prefix(path)
+                return
             try:
                 self.fs.delete_dir(path)
             except FileNotFoundError:
@@ -688,6 +751,17 @@ class Storage:
                 self._sweep_empty_dirs(path)
 
         self._call("delete", rel, rm)
+
+    def _delete_prefix(self, path: str) -> None:
+        """Delete every object under ``path``, then its marker object if one exists. pyarrow's
+        GCS ``delete_dir`` fails on a prefix without a marker (after deleting its objects),
+        and on a missing one; our writes create no markers."""
+        self.fs.delete_dir_contents(path, missing_dir_ok=True)
+        if self.fs.get_file_info(path).type == pafs.FileType.Directory:
+            try:
+                self.fs.delete_dir(path)
+            except FileNotFoundError:
+                pass
 
     def _sweep_empty_dirs(self, path: str) -> None:
         """SeaweedFS can keep emptied directories after a batch delete; they are invisible to

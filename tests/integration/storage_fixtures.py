@@ -1,4 +1,5 @@
-"""Fixtures for real storage servers (SeaweedFS S3, Azurite Blob), imported by tests/conftest.py.
+"""Fixtures for real storage servers (SeaweedFS S3, Azurite Blob, fake-gcs-server GCS), imported
+by tests/conftest.py.
 
 Shared servers are session-scoped (one start per test session); tests that stop the server
 take a private, function-scoped one so an outage never leaks into another test. Credentials
@@ -15,7 +16,8 @@ import pytest
 
 __all__ = [
     "seaweed_server", "seaweed_private", "s3_env", "azurite_server", "azurite_private",
-    "azure_env", "storage_uri", "create_azure_container", "clear_storage_env",
+    "azure_env", "gcs_server", "gcs_private", "gcs_env", "storage_uri", "private_store",
+    "create_azure_container", "clear_storage_env",
 ]
 
 _AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
@@ -24,11 +26,13 @@ _AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
 _AZURE_VARS = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME",
                "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CLIENT_ID",
                "AZURE_STORAGE_CLIENT_SECRET", "AZURE_STORAGE_TENANT_ID")
+_GCS_VARS = ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT",
+             "CLOUD_STORAGE_EMULATOR_ENDPOINT", "STORAGE_EMULATOR_HOST")
 
 
 def clear_storage_env(monkeypatch) -> None:
     """Drop ambient cloud credentials so a developer's own account is never touched."""
-    for name in _AWS_VARS + _AZURE_VARS:
+    for name in _AWS_VARS + _AZURE_VARS + _GCS_VARS:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -47,6 +51,15 @@ def _azurite():
     try:
         return Azurite()
     except AzuriteNotInstalled as exc:
+        pytest.skip(str(exc))
+
+
+def _fake_gcs():
+    from raylastic.testing.gcs_emulator import FakeGcs, FakeGcsNotInstalled
+
+    try:
+        return FakeGcs()
+    except FakeGcsNotInstalled as exc:
         pytest.skip(str(exc))
 
 
@@ -95,6 +108,29 @@ def azure_env(monkeypatch, azurite_server):
     return azurite_server
 
 
+@pytest.fixture(scope="session")
+def gcs_server():
+    """One fake-gcs-server for the session; its bucket is ``gcs_server.bucket``."""
+    with _fake_gcs() as server:
+        yield server
+
+
+@pytest.fixture
+def gcs_private():
+    """A fake-gcs-server of this test's own, free to stop() and start() (objects survive)."""
+    with _fake_gcs() as server:
+        yield server
+
+
+@pytest.fixture
+def gcs_env(monkeypatch, gcs_server):
+    """STORAGE_EMULATOR_HOST for the shared server: raylastic's gs:// goes there."""
+    clear_storage_env(monkeypatch)
+    for key, value in gcs_server.env().items():
+        monkeypatch.setenv(key, value)
+    return gcs_server
+
+
 def create_azure_container(connection_string: str, name: str) -> None:
     """Create a blob container (idempotent). Storage never does this unless asked."""
     from azure.core.exceptions import ResourceExistsError
@@ -107,15 +143,60 @@ def create_azure_container(connection_string: str, name: str) -> None:
             pass
 
 
-@pytest.fixture(params=["local", "s3", "azure"])
+@pytest.fixture(params=["local", "s3", "azure", "gcs"])
 def storage_uri(request, tmp_path, monkeypatch):
-    """A fresh, empty storage root on each backend: local dir, SeaweedFS S3, Azurite Blob."""
+    """A fresh, empty storage root on each backend: local dir, SeaweedFS S3, Azurite Blob,
+    fake-gcs-server GCS."""
     prefix = f"t-{uuid.uuid4().hex[:10]}"
     if request.param == "local":
         return str(tmp_path / prefix)
     if request.param == "s3":
         server = request.getfixturevalue("s3_env")
         return server.uri(prefix)
+    if request.param == "gcs":
+        server = request.getfixturevalue("gcs_env")
+        return server.uri(prefix)
     server = request.getfixturevalue("azure_env")
     create_azure_container(server.connection_string, "checkpoints")
     return f"abfs://checkpoints/{prefix}"
+
+
+class PrivateStore:
+    """A server of the test's own behind one interface: ``uri(prefix)``, ``stop()``,
+    ``start()`` (Azurite loses its containers on restart: ``start()`` recreates ours, empty)."""
+
+    def __init__(self, kind: str, server, monkeypatch) -> None:
+        self.kind, self.server = kind, server
+        clear_storage_env(monkeypatch)
+        env = ({"AZURE_STORAGE_CONNECTION_STRING": server.connection_string}
+               if kind == "azure" else server.env())
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        self._ensure_container()
+
+    @property
+    def keeps_data(self) -> bool:
+        return self.kind != "azure"
+
+    def _ensure_container(self) -> None:
+        if self.kind == "azure":
+            create_azure_container(self.server.connection_string, "checkpoints")
+
+    def uri(self, prefix: str) -> str:
+        if self.kind == "azure":
+            return f"abfs://checkpoints/{prefix}"
+        return self.server.uri(prefix)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def start(self) -> None:
+        self.server.start()
+        self._ensure_container()
+
+
+@pytest.fixture(params=["s3", "azure", "gcs"])
+def private_store(request, monkeypatch):
+    """A private server (SeaweedFS, Azurite or fake-gcs-server), env pointing at it."""
+    fixture = {"s3": "seaweed_private", "azure": "azurite_private", "gcs": "gcs_private"}
+    return PrivateStore(request.param, request.getfixturevalue(fixture[request.param]), monkeypatch)

@@ -156,3 +156,38 @@ def test_commit_after_loss_only_when_the_lost_rank_never_wrote_files(env):
     mgr.on_records([_record(storage, tmp, 4, 0, 2, True)])
     assert mgr.commit_after_loss([1]) == []
     assert mgr.latest().index == 3
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"", b"[]", b'{"schema_version": 1}',
+                                     b'{"schema_version": 99, "index": 2}'])
+def test_a_corrupt_manifest_is_skipped_logged_and_kept(env, content, caplog):
+    """A manifest is written whole and last, so one that is present but unusable was not
+    written by a commit: not committed (never restored), logged, left for a human."""
+    storage, events, tmp = env
+    mgr = CheckpointManager(storage, "run", None, events)
+    mgr.begin_epoch(1, 1)
+    mgr.on_records([_record(storage, tmp, 1, 0, 1, True)])
+    rel = _record(storage, tmp, 2, 0, 1, True).checkpoint_rel
+    (tmp / rel / MANIFEST).write_bytes(content)
+    fresh = CheckpointManager(storage, "run", None, events)
+    assert [c.index for c in fresh.committed] == [1]
+    assert "corrupt manifest" in caplog.text
+    fresh.begin_epoch(2, 1)
+    assert (tmp / rel / MANIFEST).read_bytes() == content
+
+
+def test_an_unreadable_manifest_is_an_error_not_a_missing_checkpoint(env):
+    """The store answering with an error (here: the manifest's name is a directory) is not
+    "no manifest": the scan raises instead of silently restoring an older checkpoint."""
+    from raylastic.checkpoint.storage import StorageError
+
+    storage, events, tmp = env
+    mgr = CheckpointManager(storage, "run", None, events)
+    mgr.begin_epoch(1, 1)
+    for i in (1, 2):
+        mgr.on_records([_record(storage, tmp, i, 0, 1, True)])
+    manifest = tmp / checkpoint_rel("run", 2, 1) / MANIFEST
+    manifest.unlink()
+    manifest.mkdir()
+    with pytest.raises(StorageError, match="read 'run/checkpoints/checkpoint_00000002-e1/"):
+        CheckpointManager(storage, "run", None, events)

@@ -27,7 +27,7 @@ SECRET = "s3cr3t-VALUE-do-not-leak"
 @pytest.fixture(autouse=True)
 def _no_ambient_credentials(monkeypatch):
     for name in list(os.environ):
-        if name.startswith(("AWS_", "AZURE_", "GOOGLE_")):
+        if name.startswith(("AWS_", "AZURE_", "GOOGLE_")) or name in st.GCS_EMULATOR_VARS:
             monkeypatch.delenv(name)
 
 
@@ -163,6 +163,38 @@ def test_gcs_parses_without_a_server():
     s = Storage("gs://bkt/a/b?anonymous=true&endpoint_override=127.0.0.1:4443&scheme=http")
     assert (s.kind, s.bucket, s.root, s.is_local) == ("gs", "bkt", "bkt/a/b", False)
     assert "anonymous" in s.target and "127.0.0.1:4443" in s.target
+
+
+@pytest.mark.parametrize("uri, env, where, creds", [
+    ("gs://bkt/run", {}, None, "Google application default credentials"),
+    ("gs://bkt/run", {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:4443"},
+     "at http://127.0.0.1:4443", "anonymous, emulator named by STORAGE_EMULATOR_HOST"),
+    ("gs://bkt/run", {"STORAGE_EMULATOR_HOST": "127.0.0.1:9023/"},
+     "at http://127.0.0.1:9023", "anonymous, emulator named by STORAGE_EMULATOR_HOST"),
+    ("gs://bkt/run", {"CLOUD_STORAGE_EMULATOR_ENDPOINT": "http://h1:1",
+                      "STORAGE_EMULATOR_HOST": "http://h2:2"},
+     "at http://h1:1", "emulator named by CLOUD_STORAGE_EMULATOR_ENDPOINT"),
+    # The URI's endpoint wins over the environment and keeps the credential chain.
+    ("gs://bkt/run?endpoint_override=gcs.internal:443&scheme=https",
+     {"STORAGE_EMULATOR_HOST": "http://h2:2", "GOOGLE_APPLICATION_CREDENTIALS": "/k.json"},
+     "at https://gcs.internal:443", "GOOGLE_APPLICATION_CREDENTIALS=/k.json"),
+])
+def test_gcs_custom_endpoint_from_uri_or_emulator_variables(monkeypatch, uri, env, where, creds):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s = Storage(uri)
+    if where:
+        assert where in s.target
+    else:
+        assert " at " not in s.target
+    assert creds in s.target
+    assert pickle.loads(pickle.dumps(s)).target == s.target  # a worker rebuilds the same
+
+
+def test_gcs_emulator_variable_that_is_not_an_endpoint_is_refused(monkeypatch):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "ftp://h/x")
+    with pytest.raises(PermanentStorageError, match="STORAGE_EMULATOR_HOST"):
+        Storage("gs://bkt/run")
 
 
 def test_redaction_of_signed_urls_and_known_secrets():
