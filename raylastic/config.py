@@ -277,3 +277,10 @@ def describe(obj: Any) -> Dict[str, Any]:
     if is_dataclass(obj):
         return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in asdict(obj).items()}
     return {"value": repr(obj)}
+
+
+def describe_run(run: RunConfig) -> Dict[str, Any]:
+    """The parts of a RunConfig the event log records at the start of a run."""
+    return {"name": run.name, "storage_path": run.storage_path,
+            "failure_config": describe(run.failure_config),
+            "checkpoint_config": describe(run.checkpoint_config)}

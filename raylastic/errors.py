@@ -100,3 +100,15 @@ def failure_reason(kind: str, budget_name: str, budget: Optional[int]) -> str:
         f"Fix: raise FailureConfig.{budget_name} (or -1/None for unlimited) if these "
         "failures are expected."
     )
+
+
+def storage_failure(e: BaseException, uri: str) -> TrainingFailedError:
+    """The run's own storage failed past its retries (a manifest or event-log write):
+    what happened, that nothing committed is lost, and how to resume."""
+    err = TrainingFailedError(
+        f"the controller could not write to the run's storage {uri} ({type(e).__name__}: {e}). "
+        "Nothing committed is lost: fix the storage (service, credentials, "
+        "RunConfig(storage_retry=...) for longer outages) and call fit() again with the same "
+        "RunConfig(name=...) to resume from the last committed checkpoint.")
+    err.__cause__ = e
+    return err

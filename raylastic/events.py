@@ -44,6 +44,21 @@ class EventKind(str, enum.Enum):
     RUN_FAILED = "run_failed"
 
 
+class LossCause(str, enum.Enum):
+    """Why a member left mid-run (the ``cause`` of a ``worker_lost`` event)."""
+
+    NODE_LOST = "node_lost"  # its node went away without notice
+    CRASH = "crash"  # its process died on a live node
+    HUNG = "hung"  # it did not unwind after an abort: replaced
+    PREEMPTED = "preempted"  # moved off a draining node in a graceful stop (a notice)
+    RELEASED = "released"  # moved off on purpose in a graceful stop (migration to spot)
+
+    @property
+    def planned(self) -> bool:
+        """A planned move, part of a graceful resize: never a recovery."""
+        return self in (LossCause.PREEMPTED, LossCause.RELEASED)
+
+
 class JsonlWriter:
     """Appends JSON lines under a run directory on any ``Storage``.
 

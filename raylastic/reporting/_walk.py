@@ -17,15 +17,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from raylastic.events import EventKind
+from raylastic.events import EventKind, LossCause
 from raylastic.reporting.records import Recovery, Resize, Segment
 
 Event = Mapping[str, Any]
 SKEW_S = 2.0  # tolerated clock skew between rank 0 (metrics ts) and the controller
 
 # worker_lost causes the controller emits when it moves a worker off on purpose during a
-# graceful stop (controller._graceful_stop): part of a graceful resize, never a recovery.
-PLANNED_CAUSES = frozenset({"released", "preempted"})
+# graceful stop: part of a graceful resize, never a recovery.
+PLANNED_CAUSES = frozenset(c.value for c in LossCause if c.planned)
 
 _KINDS = {k.value: k for k in EventKind}
 

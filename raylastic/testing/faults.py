@@ -13,7 +13,7 @@ import signal
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
-from raylastic.events import EVENTS_FILE, METRICS_FILE, EventKind, read_jsonl
+from raylastic.events import EVENTS_FILE, METRICS_FILE, EventKind, LossCause, read_jsonl
 from raylastic.testing.cluster import LocalCluster, wait_until
 
 
@@ -117,7 +117,7 @@ def hung_replacements(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     tolerates the bounded fallback still shows, in the pytest summary, why it was taken."""
     import warnings
 
-    hung = [e for e in events if e.get("kind") == EventKind.WORKER_LOST.value and e.get("cause") == "hung"]
+    hung = [e for e in events if e.get("kind") == EventKind.WORKER_LOST.value and e.get("cause") == LossCause.HUNG.value]
     for e in hung:
         warnings.warn(f"{e.get('message')}; stuck at:\n{e.get('stuck_at') or '(not recorded)'}", stacklevel=2)
     return hung

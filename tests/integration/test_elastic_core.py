@@ -206,3 +206,69 @@ def test_fit_again_resumes_from_the_last_committed_checkpoint(local_cluster, run
     assert restored and restored[-1]["index"] == 6
     assert second.metrics["step"] == 9
     assert ray.is_initialized()
+
+
+_CTRL_C_SCRIPT = '''
+import sys
+import ray
+from raylastic import ElasticTrainer, RunConfig, ScalingConfig
+from raylastic.testing.train_funcs import ddp_regression
+
+ray.init(address=sys.argv[1])
+trainer = ElasticTrainer(
+    ddp_regression,
+    # rank 0 hangs at step 30 (in its own code): a stop at any later report never completes
+    train_loop_config={"total_steps": 100000, "checkpoint_every": 1000, "step_sleep_s": 0.05,
+                       "hang_rank0_at": 30},
+    scaling_config=ScalingConfig(min_workers=2, max_workers=3),
+    run_config=RunConfig(name="ctrlc", storage_path=sys.argv[2], verbose=False))
+try:
+    trainer.fit()
+except KeyboardInterrupt:
+    print("FIT_INTERRUPTED", flush=True)
+    sys.exit(130)
+'''
+
+
+def test_ctrl_c_is_seen_within_a_second_during_a_graceful_stop(local_cluster, restore_nodes, run_dir, tmp_path):
+    """A real SIGINT to the driver while a graceful stop (a preemption notice) waits for
+    ranks that cannot reach the stop index: the run ends at once with TrainingAborted
+    instead of after the stop's 35 s bound, and the driver exits."""
+    import signal
+    import subprocess
+    import sys
+
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    script = tmp_path / "ctrlc.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), local_cluster.address, run_dir],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    victim = None
+    try:
+        w = RunWatcher(os.path.join(run_dir, "ctrlc"))
+        w.wait_for_index(25, 120)  # rank 0 never reports 30
+        victim = w.current_group()["nodes"][-1]
+        GcsClient(address=local_cluster.address).drain_node(
+            victim, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "spot reclaim (test)", int((time.time() + 60) * 1000))
+        w.wait_for_event(EventKind.DECISION, 60, where=lambda e: e.get("decision") == "stop_at")
+        sigint_at = time.time()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if victim is not None:
+            local_cluster.remove_node(local_cluster.node_by_id(victim))  # the cloud takes it
+    assert proc.returncode == 130 and "FIT_INTERRUPTED" in out, out[-4000:]
+    events = load_events(os.path.join(run_dir, "ctrlc"))
+    failed = [e for e in events if e["kind"] == EventKind.RUN_FAILED.value]
+    assert [e["error"] for e in failed] == ["TrainingAborted"], failed
+    # No group formed after the notice: the stop was cut short, not finished.
+    assert [e["kind"] for e in events].count(EventKind.GROUP_FORMED.value) == 1
+    # Seen within a second of the signal (plus the driver's own hand-over; the stop it
+    # interrupted had 35 s left).
+    assert failed[0]["ts"] - sigint_at < 5.0, failed[0]["ts"] - sigint_at

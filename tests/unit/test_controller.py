@@ -12,10 +12,9 @@ import threading
 import time
 from typing import Callable, List
 
-import pytest
 
 from raylastic._internal.controller.controller import Controller
-from raylastic._internal.controller.states import Errored, Finished, Resizing, Running, Scheduling
+from raylastic._internal.controller.states import Errored, Finished, Resizing, Running
 from raylastic.checkpoint.storage import RetryPolicy, Storage
 from raylastic.config import FailureConfig, RunConfig, ScalingConfig
 from raylastic.errors import TrainingAborted, TrainingFailedError

@@ -33,15 +33,16 @@ from raylastic._internal.controller.states import (
 from raylastic._internal.worker_group.group import (
     ABORT_JOIN_MIN_S, GroupFormationError, Interrupted, PollBatch, WorkerGroup,
 )
-from raylastic._internal.worker_group.pool import WorkerHandle, WorkerPool
-from raylastic._internal.worker_group.results import PollResult, WorkerStatus, rank_errors
+from raylastic._internal.worker_group.pool import WorkerHandle
+from raylastic._internal.worker_group.results import PollResult, WorkerStatus, cause_text, rank_errors
 from raylastic.checkpoint.manager import CheckpointManager
 from raylastic.checkpoint.storage import StorageError
-from raylastic.config import RunConfig, ScalingConfig, describe
+from raylastic.config import RunConfig, ScalingConfig, describe, describe_run
 from raylastic.errors import (
     InsufficientCapacityError, RankFailure, SnapshotMismatchError, TrainingAborted, TrainingFailedError,
+    storage_failure,
 )
-from raylastic.events import EventKind, EventLog
+from raylastic.events import EventKind, EventLog, LossCause
 from raylastic.policies.base import Noop, Raise, Resize, Wait
 from raylastic.policies.capacity import GiveUp, MigrateToSpot
 from raylastic.policies.failure import FailureCounts, FailureKind, FailurePolicy
@@ -90,12 +91,7 @@ class Controller:
         fc = run.failure_config
         self._failure_policy = failure_policy or FailurePolicy(fc.max_failures, fc.max_node_failures)
         self._counts = FailureCounts()
-        self._group = group or WorkerGroup(WorkerPool(
-            target=scaling.max_workers, resources=scaling.worker_resources(),
-            use_gpu=scaling.use_gpu, storage=storage, run_rel=run_rel, run_name=run_name,
-            async_upload=run.checkpoint_config.async_upload,
-            persist_every=run.checkpoint_config.persist_every,
-        ), poll_interval_s=run.poll_interval_s)
+        self._group = group or WorkerGroup.for_run(scaling, run, storage, run_rel, run_name)
         self._tb = None
         if run.tensorboard:
             from raylastic.tensorboard import TensorBoardLogger  # optional: tensorboard / tensorboardX
@@ -139,7 +135,7 @@ class Controller:
         latest = self._ckpt.latest()
         self._events.emit(
             EventKind.RUN_STARTED, f"run {self._run_name} started at {self._storage.uri}/{self._run_rel}",
-            scaling=describe(self._scaling), run=_run_desc(self._run),
+            scaling=describe(self._scaling), run=describe_run(self._run),
             resources_per_worker=self._scaling.worker_resources(),
             resume_from=latest.index if latest else None,
         )
@@ -158,7 +154,7 @@ class Controller:
                     continue  # the stop flag is set: the next turn ends the run
         except StorageError as e:  # a manifest or retention write failed past its retries
             logger.exception("controller could not write to storage")
-            self._set_state(Errored(_storage_failure(e, self._storage.uri)), check=False)
+            self._set_state(Errored(storage_failure(e, self._storage.uri)), check=False)
         except BaseException as e:  # noqa: BLE001 - never leave workers behind
             logger.exception("controller crashed")
             self._set_state(Errored(e), check=False)
@@ -289,18 +285,9 @@ class Controller:
             restore_index=restore.index, restore_path=restore.checkpoint_rel,
             stripes=[list(s) for s in formed.stripes] if formed.stripes else None,
         )
-        if restore.memory_index is not None:
-            self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=restore.index,
-                              source="memory", broadcast=restore.broadcast,
-                              striped=any(restore.index in m.stripes for m in members))
-        else:
-            self._memory.explain_storage_restore(members, latest)
-            if latest:
-                self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=latest.index,
-                                  path=latest.rel, source="storage")
+        self._memory.record(epoch, members, restore, latest)
         self._group.start(formed, self._train_func, self._config, restore)
         self._events.emit(EventKind.TRAINING_STARTED, epoch=epoch, world_size=world)
-        self._memory.skip_next = False  # the members drop the snapshots newer than restore.index
         return Running(epoch=epoch, members=members, started_at=time.monotonic(),
                        restored_index=restore.index, memory_index=restore.memory_index)
 
@@ -356,15 +343,7 @@ class Controller:
     def _memory_snapshot_unusable(self, st: Running, failures: List[RankFailure]) -> State:
         """The in-memory snapshot does not fit the train function's objects: say so, and
         restart the same members from the last committed checkpoint (not a failure)."""
-        reason = failures[0].message.split(": ", 1)[-1].splitlines()[0]
-        latest = self._ckpt.latest_valid()
-        self._events.emit(
-            EventKind.CHECKPOINT_INVALID,
-            f"in-memory snapshot {st.memory_index} is unusable ({reason}); falling back to "
-            + (f"committed checkpoint {latest.index}" if latest else "a fresh start (nothing committed)"),
-            source="memory", index=st.memory_index, epoch=st.epoch, reason=reason,
-            fallback_index=latest.index if latest else None)
-        self._memory.skip_next = True
+        self._memory.mark_unusable(st.memory_index, st.epoch, failures[0].message.split(": ", 1)[-1].splitlines()[0])
         return Resizing(epoch=st.epoch, members=st.members, reason="in-memory snapshot unusable",
                         graceful=False, target_world_size=len(st.members), started_at=time.monotonic(),
                         progress=st.progress)
@@ -377,9 +356,9 @@ class Controller:
         attempt count as a real failure."""
         node_lost = [m for m in batch.lost if not self._group.is_crash(m, batch.causes.get(m.wid))]
         for m in batch.lost:
-            kind = "node_lost" if m in node_lost else "crash"
-            failures.append(RankFailure(m.prev_rank, st.epoch, kind, _cause_text(batch.causes.get(m.wid))))
-            self._worker_lost(m, kind, f"worker rank {m.prev_rank} on node {m.node_id[-8:]} lost ({kind})",
+            kind = LossCause.NODE_LOST if m in node_lost else LossCause.CRASH
+            failures.append(RankFailure(m.prev_rank, st.epoch, kind.value, cause_text(batch.causes.get(m.wid))))
+            self._worker_lost(m, kind, f"worker rank {m.prev_rank} on node {m.node_id[-8:]} lost ({kind.value})",
                               epoch=st.epoch, last_index=st.progress.last_index.get(m.wid, 0))
         kind = FailureKind.NODE_LOST if node_lost else FailureKind.ERROR
         decision = self._failure_policy.decide(kind, self._counts)
@@ -400,11 +379,10 @@ class Controller:
                         graceful=False, target_world_size=len(survivors), started_at=time.monotonic(),
                         lost_ranks=[m.prev_rank for m in batch.lost], progress=st.progress)
 
-    def _worker_lost(self, m: WorkerHandle, cause: str, message: str, **fields: Any) -> None:
-        """The one way a member leaves mid-run (``cause``: node_lost, crash, hung,
-        preempted, released): recorded, then its actor is killed."""
+    def _worker_lost(self, m: WorkerHandle, cause: LossCause, message: str, **fields: Any) -> None:
+        """The one way a member leaves mid-run: recorded, then its actor is killed."""
         self._events.emit(EventKind.WORKER_LOST, message, rank=m.prev_rank, node_id=m.node_id,
-                          cause=cause, wid=m.wid, **fields)
+                          cause=cause.value, wid=m.wid, **fields)
         self._group.remove(m)
 
     # -- Resizing ------------------------------------------------------------------
@@ -453,8 +431,9 @@ class Controller:
         self._stop_members(st.members, graceful=True)
         self._memory.evacuate(st.members, st.leaving, index, st.epoch)
         for m in st.leaving:
-            cause = "preempted" if m.node_id in self._group.draining else "released"
-            self._worker_lost(m, cause, f"worker rank {m.prev_rank} {cause}: off node {m.node_id[-8:]} ({st.reason})")
+            cause = LossCause.PREEMPTED if m.node_id in self._group.draining else LossCause.RELEASED
+            self._worker_lost(m, cause, f"worker rank {m.prev_rank} {cause.value}: off node {m.node_id[-8:]} "
+                              f"({st.reason})")
 
     def _stop_members(self, members: List[WorkerHandle], graceful: bool) -> Dict[int, PollResult]:
         """Make members' train threads exit; replace any that does not in time, after
@@ -466,7 +445,7 @@ class Controller:
             if h.last_words is not None:
                 last_words[h.member.wid] = h.last_words
                 self._memory.rescue(h.member, out.stopped)
-            self._worker_lost(h.member, "hung", f"worker rank {h.member.prev_rank} {h.why}; replacing it",
+            self._worker_lost(h.member, LossCause.HUNG, f"worker rank {h.member.prev_rank} {h.why}; replacing it",
                               stuck_at=h.stuck_at)
         return last_words
 
@@ -502,25 +481,3 @@ class Controller:
             "restarts": self._restarts,
         }
 
-
-def _storage_failure(e: BaseException, uri: str) -> TrainingFailedError:
-    err = TrainingFailedError(
-        f"the controller could not write to the run's storage {uri} ({type(e).__name__}: {e}). "
-        "Nothing committed is lost: fix the storage (service, credentials, "
-        "RunConfig(storage_retry=...) for longer outages) and call fit() again with the same "
-        "RunConfig(name=...) to resume from the last committed checkpoint.")
-    err.__cause__ = e
-    return err
-
-
-def _cause_text(cause: Optional[BaseException]) -> str:
-    if cause is None:
-        return "worker stopped answering"
-    text = str(cause).strip().splitlines()
-    return text[0] if text else type(cause).__name__
-
-
-def _run_desc(run: RunConfig) -> Dict[str, Any]:
-    return {"name": run.name, "storage_path": run.storage_path,
-            "failure_config": describe(run.failure_config),
-            "checkpoint_config": describe(run.checkpoint_config)}

@@ -36,6 +36,18 @@ class MemoryRestore:
         # next group restores from storage (and the members drop the newer snapshots).
         self.skip_next = False
 
+    def mark_unusable(self, index: int, epoch: int, reason: str) -> None:
+        """In-memory snapshot ``index`` does not fit the train function's objects (ranks
+        raised ``SnapshotMismatchError``): say so; the next group restores from storage."""
+        latest = self._ckpt.latest_valid()
+        self._events.emit(
+            EventKind.CHECKPOINT_INVALID,
+            f"in-memory snapshot {index} is unusable ({reason}); falling back to "
+            + (f"committed checkpoint {latest.index}" if latest else "a fresh start (nothing committed)"),
+            source="memory", index=index, epoch=epoch, reason=reason,
+            fallback_index=latest.index if latest else None)
+        self.skip_next = True
+
     # -- planning ------------------------------------------------------------------------
     def plan(self, members: Sequence[WorkerHandle], restart_count: int,
              latest: Optional[CommittedCheckpoint]) -> RestoreInfo:
@@ -51,8 +63,24 @@ class MemoryRestore:
         return RestoreInfo(checkpoint_rel=latest.rel if latest else None,
                            index=latest.index if latest else 0, restart_count=restart_count)
 
-    def explain_storage_restore(self, members: Sequence[WorkerHandle],
-                                latest: Optional[CommittedCheckpoint]) -> None:
+    def record(self, epoch: int, members: Sequence[WorkerHandle], restore: RestoreInfo,
+               latest: Optional[CommittedCheckpoint]) -> None:
+        """Say where the group of ``epoch`` restores from (and, when it is storage although
+        members held snapshots, why). The members then drop the snapshots newer than
+        ``restore.index``, so a snapshot that did not fit is not offered again."""
+        if restore.memory_index is not None:
+            self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=restore.index,
+                              source="memory", broadcast=restore.broadcast,
+                              striped=any(restore.index in m.stripes for m in members))
+        else:
+            self._explain_storage_restore(members, latest)
+            if latest:
+                self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=latest.index,
+                                  path=latest.rel, source="storage")
+        self.skip_next = False
+
+    def _explain_storage_restore(self, members: Sequence[WorkerHandle],
+                                 latest: Optional[CommittedCheckpoint]) -> None:
         """Members held in-memory snapshots, yet the group restores from storage: say why
         in the event log (a node and its snapshot peer lost, or no shared snapshot)."""
         holders = [m for m in members if m.snapshots]

@@ -32,6 +32,7 @@ from raylastic._internal.worker_group.pool import WorkerHandle, WorkerPool
 from raylastic._internal.worker_group.results import (
     Holdings, PersistedSnapshot, PollResult, StopAnswer,
 )
+from raylastic.config import RunConfig, ScalingConfig
 from raylastic.session import GroupSpec, RestoreInfo
 
 logger = logging.getLogger("raylastic")
@@ -113,6 +114,16 @@ class WorkerGroup:
         self._unavailable_since: Dict[int, float] = {}
         self.draining: Dict[str, int] = {}  # node id -> drain deadline (ms since epoch; 0: none)
         self._draining_checked_at = 0.0
+
+    @classmethod
+    def for_run(cls, scaling: ScalingConfig, run: RunConfig, storage, run_rel: str, run_name: str) -> "WorkerGroup":
+        """The group a run's configs describe: ``max_workers`` actors kept alive or pending."""
+        return cls(WorkerPool(
+            target=scaling.max_workers, resources=scaling.worker_resources(),
+            use_gpu=scaling.use_gpu, storage=storage, run_rel=run_rel, run_name=run_name,
+            async_upload=run.checkpoint_config.async_upload,
+            persist_every=run.checkpoint_config.persist_every,
+        ), poll_interval_s=run.poll_interval_s)
 
     # -- the pool's lifecycle ---------------------------------------------------------
     def refresh(self) -> List[WorkerHandle]:

@@ -65,3 +65,11 @@ def rank_errors(members: Sequence[Any], results: Mapping[int, PollResult], epoch
     and ``TrainingFailedError`` see them."""
     return [RankFailure(m.prev_rank, epoch, "error", results[m.wid].error or "", results[m.wid].traceback)
             for m in members if m.wid in results and results[m.wid].status == WorkerStatus.ERROR]
+
+
+def cause_text(cause: Optional[BaseException]) -> str:
+    """One line saying why a worker was lost (None: it stopped answering)."""
+    if cause is None:
+        return "worker stopped answering"
+    text = str(cause).strip().splitlines()
+    return text[0] if text else type(cause).__name__

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import ray
 
@@ -28,7 +28,7 @@ from raylastic._internal.cluster.drain import start_preemption_watcher
 from raylastic._internal.distributed import process_group
 from raylastic.checkpoint.uploader import AsyncUploader, checksum_tree
 from raylastic.policies.node_types import MARKET_LABEL, NODE_TYPE_LABEL, RESOURCE_PREFIX
-from raylastic.session import GroupSpec, ReportRecord, RestoreInfo, Session, StopTraining, checkpoint_rel
+from raylastic.session import GroupSpec, RestoreInfo, Session, StopTraining, checkpoint_rel
 from raylastic.state import STORE
 from raylastic._internal.holdings import Holding
 from raylastic._internal.stripes import held_leaves
