@@ -57,7 +57,7 @@ import torch.distributed as dist
 from raylastic import session as _session
 from raylastic.errors import SnapshotMismatchError
 from raylastic._internal.snapshot_copy import StateCopier, clone_to_cpu, nbytes
-from raylastic._internal.holdings import WHOLE, Holding, is_whole, restore_from_memory_possible
+from raylastic._internal.holdings import HOLDS_NONE, WHOLE, Holding, is_whole, restore_from_memory_possible
 from raylastic._internal.stripes import assemble, held_leaves, leaves, map_leaves
 
 STATE_FILE = "elastic_state.pt"
@@ -258,7 +258,7 @@ class ElasticState:
         rank lacks are broadcast from a holder. Workers that joined hold nothing; they
         keep their own RNG streams. This rank's snapshot is completed in place."""
         tensors, plain = assemble(index, snap.tensors if snap else None, snap.plain if snap else None,
-                                  snap.holding if snap else WHOLE)
+                                  snap.holding if snap else HOLDS_NONE)
         if snap is not None:
             # in place (a writer's pins stay on it): the assembled tensors fill the placeholders
             STORE.merge(self._sess.run_rel, index, WHOLE, held_leaves(tensors))

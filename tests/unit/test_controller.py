@@ -218,3 +218,21 @@ def test_run_finishes_when_every_rank_returns(tmp_path):
     assert outcome["world_sizes"] == [2]
     assert [e["state"] for e in _events(tmp_path, ctrl, EventKind.STATE)] == ["Running", "Finished"]
     assert isinstance(ctrl._state, Finished)
+
+
+def test_a_group_stopped_before_its_first_report_records_no_first_step(tmp_path):
+    """First-step events end recoveries in the report: one from a group that is being
+    stopped (its first report arrives during the stop) would end a recovery that began
+    after it. Only Running's polls record them."""
+    ctrl, group = _controller(tmp_path)
+    handles = _start(ctrl, group, ["na", "nb", "nc"])
+    for h in handles:
+        group.worker(h).stalled = True  # no report yet when the notice comes
+    group.draining["nc"] = 0
+    _tick_until(ctrl, lambda st: isinstance(st, Resizing) and st.stop is not None and st.stop.target is not None)
+    for h in handles:
+        group.worker(h).stalled = False  # the first reports arrive during the stop
+    _tick_until(ctrl, lambda st: isinstance(st, Running) and st.progress.first_step_seen)
+
+    firsts = _events(tmp_path, ctrl, EventKind.FIRST_STEP)
+    assert [e["epoch"] for e in firsts] == [2]

@@ -28,7 +28,7 @@ from raylastic._internal.controller.graceful_stop import AllFinished, Failed, Gr
 from raylastic._internal.controller.ingest import ReportIngest
 from raylastic._internal.controller.memory_restore import MemoryRestore
 from raylastic._internal.controller.states import (
-    Errored, Finished, Resizing, Running, Scheduling, check_transition, is_terminal,
+    Errored, Finished, Resizing, Running, Scheduling, State, check_transition, is_terminal,
 )
 from raylastic._internal.worker_group.group import (
     ABORT_JOIN_MIN_S, GroupFormationError, Interrupted, PollBatch, WorkerGroup,
@@ -61,9 +61,6 @@ ERROR_CLASSIFY_GRACE_S = 5.0
 # own code, an NCCL operation, a group gloo joined lazily). Replacing that worker (a new
 # process, state by broadcast) costs seconds; waiting for the group timeout, a minute.
 ABORT_JOIN_STEPS = 3
-
-State = object
-
 
 class Controller:
     """Ray actor body. ``run()`` blocks until training ends and returns an outcome dict.
@@ -206,13 +203,17 @@ class Controller:
         st = self._state
         members = list(getattr(st, "members", []))
         latest = self._ckpt.latest()
-        boundary = (latest is not None and latest.index != self._last_committed_seen) or \
-            bool(members and all(m.snapshots for m in members))
+        # A migration is carried out only from Running: elsewhere no boundary is offered,
+        # so the policy does not propose (and log) one that would be dropped.
+        boundary = isinstance(st, Running) and (
+            (latest is not None and latest.index != self._last_committed_seen)
+            or bool(members and all(m.snapshots for m in members)))
         self._last_committed_seen = latest.index if latest else None
         self._group.drained(members)  # refresh the draining view the policy excludes
-        # Between groups, keep the ready workers that hold in-memory snapshots: they are
-        # the state the next group restores from (trimming them would force a storage read).
-        protect = members if isinstance(st, Running) else [h for h in self._group.ready_workers() if h.snapshots]
+        # Keep the group's members (also while a graceful stop runs over several ticks),
+        # and the ready workers that hold in-memory snapshots: they are the state the next
+        # group restores from (trimming them would force a storage read).
+        protect = members + [h for h in self._group.ready_workers() if h.snapshots and h not in members]
         d = self._capacity.tick(members, self._group.draining, boundary, protect=protect)
         if isinstance(d, GiveUp):
             self._abort_all(f"capacity wait exhausted: {d.reason}")
@@ -286,7 +287,12 @@ class Controller:
             stripes=[list(s) for s in formed.stripes] if formed.stripes else None,
         )
         self._memory.record(epoch, members, restore, latest)
-        self._group.start(formed, self._train_func, self._config, restore)
+        try:
+            self._group.start(formed, self._train_func, self._config, restore)
+        except Interrupted:  # some may have started: no train function outlives the run
+            self._group.abort(members, epoch)
+            raise
+        self._memory.skip_next = False  # the members drop the snapshots newer than restore.index
         self._events.emit(EventKind.TRAINING_STARTED, epoch=epoch, world_size=world)
         return Running(epoch=epoch, members=members, started_at=time.monotonic(),
                        restored_index=restore.index, memory_index=restore.memory_index)
@@ -399,10 +405,13 @@ class Controller:
             if isinstance(outcome, AllFinished):
                 self._events.emit(EventKind.RUN_FINISHED, "training finished while resizing")
                 return Finished(return_value=outcome.return_value)
-            if outcome.timed_out:
-                self._stop_members(st.members, graceful=False)
+            if outcome.timed_out:  # some rank never reached the stop index: abort instead
+                self._drain_survivors(st, self._stop_members(st.members, graceful=False))
+                self._release_leaving(st)
             else:
-                self._release_leaving(st, outcome.index)
+                self._stop_members(st.members, graceful=True)
+                self._memory.evacuate(st.members, st.leaving, outcome.index, st.epoch)
+                self._release_leaving(st)
         else:
             last_words = self._stop_members(st.members, graceful=False)
             self._drain_survivors(st, last_words)
@@ -425,12 +434,12 @@ class Controller:
         )
         return Scheduling(since=time.monotonic())
 
-    def _release_leaving(self, st: Resizing, index: int) -> None:
-        """Every member stopped after report ``index``: keep the snapshot of ``index``
-        whoever holds it, then let the leaving members go (drained nodes, migrations)."""
-        self._stop_members(st.members, graceful=True)
-        self._memory.evacuate(st.members, st.leaving, index, st.epoch)
+    def _release_leaving(self, st: Resizing) -> None:
+        """Let the leaving members of a stopped group go (drained nodes, migrations);
+        one replaced while stuck already has its ``worker_lost``."""
         for m in st.leaving:
+            if not self._group.is_member(m):
+                continue
             cause = LossCause.PREEMPTED if m.node_id in self._group.draining else LossCause.RELEASED
             self._worker_lost(m, cause, f"worker rank {m.prev_rank} {cause.value}: off node {m.node_id[-8:]} "
                               f"({st.reason})")
@@ -454,7 +463,7 @@ class Controller:
         then commit what the lost ranks could not have added to (see
         ``CheckpointManager.commit_after_loss``)."""
         batch = self._group.poll(st.members)
-        self._ingest.ingest(st.progress, st.members, {**last_words, **batch.results})
+        self._ingest.ingest(st.progress, st.members, {**last_words, **batch.results}, first_step=False)
         if st.lost_ranks:
             self._ckpt.commit_after_loss(st.lost_ranks)
 

@@ -69,7 +69,7 @@ class GracefulStop:
         """Poll once; None while members are still on their way to the stop index."""
         st = self._st
         batch = self._group.poll(st.members)
-        self._ingest.ingest(st.progress, st.members, batch.results)
+        self._ingest.ingest(st.progress, st.members, batch.results, first_step=False)
         if batch.lost:
             return Failed(batch)
         if self.target is None:

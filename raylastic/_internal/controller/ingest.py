@@ -41,14 +41,17 @@ class ReportIngest:
         return self.last_rank0[0] if self.last_rank0 else 0
 
     def ingest(self, progress: Progress, members: Sequence[WorkerHandle],
-               results: Mapping[int, PollResult]) -> None:
-        """Take the answers of one poll (wid -> result) of ``members``."""
+               results: Mapping[int, PollResult], first_step: bool = True) -> None:
+        """Take the answers of one poll (wid -> result) of ``members``. ``first_step``
+        False: a group being stopped; its late first report is no ``first_step`` event
+        (the report would read it as the end of a recovery that began after it)."""
         for m in members:
             r = results.get(m.wid)
             if r is not None:
-                self._take(progress, len(members), m, r)
+                self._take(progress, len(members), m, r, first_step)
 
-    def _take(self, progress: Progress, world_size: int, m: WorkerHandle, r: PollResult) -> None:
+    def _take(self, progress: Progress, world_size: int, m: WorkerHandle, r: PollResult,
+              first_step: bool) -> None:
         progress.last_index[m.wid] = max(progress.last_index.get(m.wid, 0), r.index)
         if not r.records:
             return
@@ -67,7 +70,7 @@ class ReportIngest:
                                   "world_size": world_size, "metrics": rec.metrics})
             if self._tb is not None:
                 self._tb.log_metrics(rec.index, rec.metrics, world_size, rec.ts)
-            if not progress.first_step_seen:
+            if first_step and not progress.first_step_seen:
                 progress.first_step_seen = True
                 self._events.emit(EventKind.FIRST_STEP, epoch=rec.epoch, index=rec.index,
                                   world_size=world_size, report_ts=rec.ts)

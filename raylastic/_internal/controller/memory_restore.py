@@ -67,7 +67,7 @@ class MemoryRestore:
                latest: Optional[CommittedCheckpoint]) -> None:
         """Say where the group of ``epoch`` restores from (and, when it is storage although
         members held snapshots, why). The members then drop the snapshots newer than
-        ``restore.index``, so a snapshot that did not fit is not offered again."""
+        ``restore.index`` (the controller then clears ``skip_next``)."""
         if restore.memory_index is not None:
             self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=restore.index,
                               source="memory", broadcast=restore.broadcast,
@@ -77,7 +77,6 @@ class MemoryRestore:
             if latest:
                 self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=latest.index,
                                   path=latest.rel, source="storage")
-        self.skip_next = False
 
     def _explain_storage_restore(self, members: Sequence[WorkerHandle],
                                  latest: Optional[CommittedCheckpoint]) -> None:

@@ -215,7 +215,7 @@ class WorkerGroup:
             dead = self.probe(members, timeout_s=2.0)
             for h in members:
                 if h.wid in dead:
-                    self.pool.remove(h, kill=True)
+                    self.remove(h)
             raise GroupFormationError(str(e), gone=len(dead)) from e
         for r, m in enumerate(members):
             m.prev_rank = r
@@ -320,13 +320,13 @@ class WorkerGroup:
     def request_stop_at(self, members: Sequence[WorkerHandle], index: int) -> List[StopAnswer]:
         return self._get_all([m.actor.request_stop_at.remote(index) for m in members], JOIN_TIMEOUT_S)
 
-    def abort(self, members: Sequence[WorkerHandle], epoch: int) -> List[Any]:
+    def abort(self, members: Sequence[WorkerHandle], epoch: int) -> Dict[int, Any]:
         """Tell members to unwind the train function of ``epoch`` now (no waiting);
-        returns the calls' refs, which answer how many connections each shut."""
-        refs = []
+        returns each call's ref by wid (it answers how many connections were shut)."""
+        refs = {}
         for m in members:
             try:
-                refs.append(m.actor.abort.remote(epoch))
+                refs[m.wid] = m.actor.abort.remote(epoch)
             except Exception:  # noqa: BLE001 - an actor already gone
                 pass
         return refs
@@ -340,7 +340,7 @@ class WorkerGroup:
             return StopOutcome([], [])
         timeout_s, aborts = JOIN_TIMEOUT_S, {}
         if not graceful:
-            aborts = {m.wid: ref for m, ref in zip(members, self.abort(members, epoch))}
+            aborts = self.abort(members, epoch)
             timeout_s = abort_join_s
         refs = {m.actor.join.remote(timeout_s): m for m in members}
         # The aborts too: a thread that stopped on its own can join before its abort

@@ -167,22 +167,6 @@ class WorkerPool:
             except Exception:  # noqa: BLE001 - already gone
                 pass
 
-    def probe(self, handles: List[WorkerHandle], timeout_s: float) -> Dict[int, Optional[BaseException]]:
-        """Workers that are dead or do not answer within the timeout: wid -> cause."""
-        if not handles:
-            return {}
-        refs = {h.actor.info.remote(): h for h in handles}
-        dead: Dict[int, Optional[BaseException]] = {}
-        done, not_done = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except RayActorError as e:  # ActorDiedError / ActorUnavailableError
-                dead[refs[ref].wid] = e
-        for ref in not_done:
-            dead[refs[ref].wid] = None
-        return dead
-
     def shutdown(self) -> None:
         for h in list(self.workers.values()):
             self.remove(h, kill=True)
