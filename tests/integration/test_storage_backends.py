@@ -140,7 +140,7 @@ def test_azure_bad_key_is_permanent_and_not_shown(azure_env, monkeypatch):
     _fails_fast(lambda: s.exists("x"), "checkpoints", "AuthorizationFailure", secret=bad_key)
 
 
-def test_gcs_missing_bucket_is_permanent_and_named(gcs_env):
+def test_gcs_missing_bucket_is_permanent_and_named(gcs_env, monkeypatch):
     s = Storage(gcs_env.uri("run", bucket="no-such-bucket"))
     _fails_fast(lambda: s.write_bytes("x", b"1"), "no-such-bucket", "STORAGE_EMULATOR_HOST",
                 "create_container=True", secret="\0")  # anonymous: no secret
@@ -148,6 +148,9 @@ def test_gcs_missing_bucket_is_permanent_and_named(gcs_env):
     s = Storage(gcs_env.uri("run?project_id=p1", bucket="made-on-request"), create_container=True)
     s.write_bytes("x", b"1")
     assert Storage(gcs_env.uri("run", bucket="made-on-request")).read_bytes("x") == b"1"
+    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "p2")
+    s = Storage(gcs_env.uri("run", bucket="made-for-env-project"), create_container=True)
+    s.write_bytes("x", b"2")
 
 
 def test_azure_account_key_is_selected_without_leaking(azurite_server, monkeypatch):
