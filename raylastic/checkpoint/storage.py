@@ -666,7 +666,8 @@ class Storage:
             infos = self.fs.get_file_info(paths) if paths else []
             return [i.size if i.type == pafs.FileType.File else None for i in infos]
 
-        return self._call("stat", rels[0] if len(rels) == 1 else f"{len(rels)} files", stat)
+        what = rels[0] if len(rels) <= 1 else f"{rels[0]} (+{len(rels) - 1} more)"
+        return self._call("stat", what, stat)
 
     def list_dir(self, rel: str = "") -> list[str]:
         """Child base names (files and directories) of ``rel``; [] when it does not exist.
