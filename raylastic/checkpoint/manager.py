@@ -222,9 +222,13 @@ class CheckpointManager:
         if self._num_to_keep is None:
             return
         while len(self._committed) > self._num_to_keep:
-            old = self._committed.pop(0)
-            # Manifest first: a half-deleted directory must never look committed.
+            old = self._committed[0]
+            # Manifest first: a half-deleted directory must never look committed. If that
+            # delete fails (StorageError) the checkpoint is still committed and still listed;
+            # once it succeeds, a failed directory delete leaves an uncommitted directory,
+            # which delete_uncommitted removes when the next group forms.
             self._storage.delete_file(f"{old.rel}/{MANIFEST}")
+            self._committed.pop(0)
             self._storage.delete_dir(old.rel)
             self._events.emit(EventKind.CHECKPOINT_DELETED, index=old.index, path=old.rel,
                               reason=f"num_to_keep={self._num_to_keep}")
