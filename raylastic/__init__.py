@@ -29,6 +29,7 @@ _EXPORTS = {
     "ElasticTrainer": "raylastic.trainer",
     "ElasticState": "raylastic.state",
     "Result": "raylastic.trainer",
+    "TorchTrainer": "raylastic.ray_train",
 }
 _SUBMODULES = {"data", "testing", "sim"}
 

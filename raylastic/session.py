@@ -141,6 +141,10 @@ class Session:
         self._index = restore.index
         self._stop_at: Optional[int] = None
         self._abort = threading.Event()
+        # What get_checkpoint() returns while the run has no committed checkpoint yet:
+        # raylastic.TorchTrainer(resume_from_checkpoint=...) sets it before the train
+        # function starts. A committed checkpoint of the run always wins.
+        self.initial_checkpoint: Optional[Checkpoint] = None
 
     # -- called from the train thread -------------------------------------------------
     def report(self, metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
@@ -222,7 +226,7 @@ class Session:
 
     def get_checkpoint(self) -> Optional[Checkpoint]:
         if self.restore.checkpoint_rel is None:
-            return None
+            return self.initial_checkpoint
         return Checkpoint(path=self.storage.path(self.restore.checkpoint_rel), filesystem=self.storage.fs)
 
     # -- called from the actor's control threads ------------------------------------
@@ -303,7 +307,8 @@ def report(metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None, **_
 
 
 def get_checkpoint() -> Optional[Checkpoint]:
-    """The latest committed checkpoint to resume from, or None on a fresh start."""
+    """The latest committed checkpoint to resume from; on a fresh start None (or the
+    ``resume_from_checkpoint`` given to ``raylastic.TorchTrainer``)."""
     return _get_session().get_checkpoint()
 
 

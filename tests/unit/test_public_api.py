@@ -5,7 +5,7 @@ import raylastic
 EXPECTED = [
     "Checkpoint", "CheckpointConfig", "ConfigError", "ElasticState", "ElasticTrainer", "FailureConfig",
     "InsufficientCapacityError", "RaylasticError", "Result", "RunConfig", "ScalingConfig",
-    "TrainingAborted", "TrainingFailedError", "data", "get_checkpoint", "get_context", "report",
+    "TorchTrainer", "TrainingAborted", "TrainingFailedError", "data", "get_checkpoint", "get_context", "report",
 ]
 
 
@@ -20,3 +20,6 @@ def test_every_name_resolves():
 
     assert raylastic.Checkpoint is Checkpoint
     assert raylastic.data.ElasticDataLoader is not None
+    from raylastic.ray_train import TorchTrainer
+
+    assert raylastic.TorchTrainer is TorchTrainer

@@ -1,0 +1,289 @@
+"""Ray Train's own configs, translated field by field into raylastic's.
+
+``raylastic.TorchTrainer`` takes ``ray.train.ScalingConfig`` / ``RunConfig`` (with its
+``FailureConfig`` and ``CheckpointConfig``) and ``ray.train.torch.TorchConfig``. Every
+field of those classes (ray 2.60) is one of:
+
+- honoured: translated into ``raylastic.ScalingConfig`` / ``RunConfig``;
+- ignored, with a reason: it asks for nothing raylastic does differently, or it only
+  tunes a part of Ray Train that does not run here. A non-default value is returned in
+  ``Translation.ignored`` (the trainer logs it);
+- refused: ``ConfigError`` naming the field and what to do instead.
+
+All of it runs at construction, before ``ray.init`` or any actor. docs/ray_train.md has
+the table with the reasons.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from ray._common.utils import RESOURCE_CONSTRAINT_PREFIX
+from ray.train.v2._internal.constants import _DEPRECATED
+from ray.train.v2.api.config import (
+    CheckpointConfig as RayCheckpointConfig,
+    FailureConfig as RayFailureConfig,
+    RunConfig as RayRunConfig,
+    ScalingConfig as RayScalingConfig,
+)
+
+from raylastic._internal.worker_group.group import GROUP_TIMEOUT_S
+from raylastic.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from raylastic.errors import ConfigError
+
+_TORCH_CONFIG_DEFAULT_TIMEOUT_S = 1800  # ray.train.torch.TorchConfig().timeout_s
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """A field set to a non-default value that has no effect here, and why."""
+
+    field: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.field} is ignored: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Translation:
+    scaling: ScalingConfig
+    run: RunConfig
+    ignored: Tuple[Ignored, ...] = ()
+
+
+def translate(scaling_config: Optional[RayScalingConfig], run_config: Optional[RayRunConfig],
+              torch_config: Any = None) -> Translation:
+    """raylastic's configs for Ray Train's; ``None`` means Ray Train's default object."""
+    scaling_config = RayScalingConfig() if scaling_config is None else scaling_config
+    run_config = RayRunConfig() if run_config is None else run_config
+    _check_type(scaling_config, RayScalingConfig, "scaling_config", "ray.train.ScalingConfig(num_workers=...)")
+    _check_type(run_config, RayRunConfig, "run_config", "ray.train.RunConfig(name=..., storage_path=...)")
+    ignored: List[Ignored] = []
+    scaling = translate_scaling(scaling_config, ignored)
+    run = translate_run(run_config, ignored)
+    check_torch_config(torch_config, scaling_config.use_gpu, ignored)
+    return Translation(scaling=scaling, run=run, ignored=tuple(ignored))
+
+
+def _check_type(obj: Any, cls: type, arg: str, example: str) -> None:
+    if isinstance(obj, cls):
+        return
+    got = f"{type(obj).__module__}.{type(obj).__name__}"
+    hint = ""
+    if type(obj).__module__.startswith("raylastic"):
+        hint = " raylastic's own configs go to raylastic.ElasticTrainer."
+    raise ConfigError(f"TorchTrainer: {arg} must be Ray Train's {example.split('(')[0]}, got {got}. "
+                      f"Fix: pass {example}.{hint}")
+
+
+def _refuse(field: str, value: Any, why: str, fix: str) -> ConfigError:
+    return ConfigError(f"ray.train.{field}={value!r} is not supported by raylastic: {why}. Fix: {fix}.")
+
+
+# -- ScalingConfig ----------------------------------------------------------------------
+
+def translate_scaling(sc: RayScalingConfig, ignored: List[Ignored]) -> ScalingConfig:
+    min_workers, max_workers = parse_num_workers(sc.num_workers)
+    if sc.trainer_resources is not None:
+        raise _refuse("ScalingConfig.trainer_resources", sc.trainer_resources,
+                      "the controller reserves no CPU or GPU (Ray Train 2.x rejects it too)",
+                      "remove trainer_resources")
+    if sc.use_tpu or sc.topology is not None:
+        field, value = ("use_tpu", sc.use_tpu) if sc.use_tpu else ("topology", sc.topology)
+        raise _refuse(f"ScalingConfig.{field}", value, "raylastic trains with gloo on CPU or NCCL on GPU only",
+                      "use ray.train.torch.TorchTrainer for TPUs")
+    if sc.label_selector:
+        raise _refuse("ScalingConfig.label_selector", sc.label_selector,
+                      "raylastic places workers by resources, not node labels",
+                      "start the nodes you want with a custom resource (ray start --resources="
+                      "'{\"trainer_node\": 1}') and ask for it in resources_per_worker")
+    _check_placement(sc.placement_strategy)
+    if sc.elastic_resize_monitor_interval_s != 60.0:
+        ignored.append(Ignored(
+            "ScalingConfig.elastic_resize_monitor_interval_s",
+            "raylastic has no resize interval: a worker placed on new capacity joins at the next "
+            "checkpoint boundary (or an agreed report a few steps ahead) after a 1 s settle window"))
+    return ScalingConfig(min_workers=min_workers, max_workers=max_workers,
+                         resources_per_worker=worker_resources(sc), use_gpu=bool(sc.use_gpu))
+
+
+def parse_num_workers(num_workers: Any) -> Tuple[int, int]:
+    """``n`` -> ``(n, n)`` (a fixed size), ``(min, max)`` -> elastic."""
+    if isinstance(num_workers, int) and not isinstance(num_workers, bool):
+        if num_workers >= 1:
+            return num_workers, num_workers
+        if num_workers == 0:
+            raise ConfigError(
+                "ray.train.ScalingConfig.num_workers=0 (Ray Train's local mode: the train function "
+                "runs in the driver process) is not supported by raylastic. Fix: num_workers=1 runs "
+                "one worker actor, or call the train function directly to debug it.")
+        raise ConfigError(f"ray.train.ScalingConfig.num_workers={num_workers!r} is negative. "
+                          "Fix: pass an int >= 1, or a (min_workers, max_workers) tuple for elastic training.")
+    if isinstance(num_workers, tuple):
+        if len(num_workers) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in num_workers):
+            raise ConfigError(
+                f"ray.train.ScalingConfig.num_workers={num_workers!r}: an elastic size is a tuple of "
+                "two ints (min_workers, max_workers). Fix: e.g. num_workers=(2, 4).")
+        lo, hi = num_workers
+        if lo < 1:
+            raise ConfigError(
+                f"ray.train.ScalingConfig.num_workers={num_workers!r}: min_workers must be >= 1 "
+                f"(training needs a worker). Fix: num_workers=(1, {max(hi, 1)}).")
+        if lo > hi:
+            raise ConfigError(
+                f"ray.train.ScalingConfig.num_workers={num_workers!r}: min_workers ({lo}) > max_workers "
+                f"({hi}). Fix: num_workers=({hi}, {lo}): the tuple is (min_workers, max_workers).")
+        return lo, hi
+    raise ConfigError(
+        f"ray.train.ScalingConfig.num_workers must be an int >= 1 (a fixed size) or a "
+        f"(min_workers, max_workers) tuple of ints (elastic), got {type(num_workers).__name__} "
+        f"{num_workers!r}. Fix: e.g. num_workers=4 or num_workers=(2, 4).")
+
+
+def _check_placement(strategy: Any) -> None:
+    # Workers are separate actors placed with Ray's SPREAD strategy (no placement group:
+    # one cannot shrink or grow by one member). PACK, Ray Train's default, is a soft
+    # preference there too, so it is accepted; SPREAD is what raylastic does.
+    if strategy in ("PACK", "SPREAD"):
+        return
+    raise _refuse("ScalingConfig.placement_strategy", strategy,
+                  "workers are separate actors spread over nodes (no placement group: an elastic "
+                  "group grows and shrinks one worker at a time), so a strict placement cannot be kept",
+                  "remove placement_strategy (or use 'SPREAD'); to keep workers on particular nodes, "
+                  "give those nodes a custom resource and ask for it in resources_per_worker")
+
+
+def worker_resources(sc: RayScalingConfig) -> Dict[str, float]:
+    """What Ray Train reserves per worker (its ``_resources_per_worker_not_none``):
+    ``{"CPU": 1}``, or ``{"GPU": 1}`` with ``use_gpu``, unless ``resources_per_worker``
+    says otherwise; a GPU with ``use_gpu``; ``accelerator_type:<type>: 0.001`` with
+    ``accelerator_type``. A zero amount reserves nothing, as in Ray."""
+    if sc.resources_per_worker is None:
+        res: Dict[str, float] = {"GPU": 1} if sc.use_gpu else {"CPU": 1}
+    else:
+        res = dict(sc.resources_per_worker)
+    if sc.use_gpu:
+        res.setdefault("GPU", 1)
+    if sc.accelerator_type:
+        res.setdefault(f"{RESOURCE_CONSTRAINT_PREFIX}{sc.accelerator_type}", 0.001)
+    return res
+
+
+# -- RunConfig --------------------------------------------------------------------------
+
+_RUN_DEPRECATED = ("sync_config", "verbose", "stop", "progress_reporter", "log_to_file")
+
+
+def translate_run(rc: RayRunConfig, ignored: List[Ignored]) -> RunConfig:
+    for name in _RUN_DEPRECATED:
+        if getattr(rc, name) != _DEPRECATED:
+            raise _refuse(f"RunConfig.{name}", getattr(rc, name),
+                          "Ray Train 2.x deprecated it (a Ray Tune option)", f"remove {name}")
+    if rc.storage_filesystem is not None:
+        raise _refuse("RunConfig.storage_filesystem", type(rc.storage_filesystem).__name__,
+                      "raylastic opens storage from a path or URI, on every node",
+                      "pass the full URI as storage_path (s3://bucket/path, gs://bucket/path, "
+                      "abfs://container@account.dfs.core.windows.net/path) with credentials in the "
+                      "environment; see docs/storage.md")
+    if rc.callbacks:
+        raise _refuse("RunConfig.callbacks", rc.callbacks,
+                      "Ray Train's controller, which calls them, does not run here",
+                      "remove callbacks; raylastic writes every report to <run>/metrics.jsonl and every "
+                      "decision to <run>/events.jsonl (docs/events.md), which a process can follow")
+    if rc.worker_runtime_env:
+        raise _refuse("RunConfig.worker_runtime_env", rc.worker_runtime_env,
+                      "raylastic's worker actors take the job's runtime environment",
+                      "set it for the whole job: ray.init(runtime_env=...) before fit(), or "
+                      "ray job submit --runtime-env-json")
+    level = getattr(rc.logging_config, "log_level", "INFO")
+    if level != "INFO":
+        ignored.append(Ignored("RunConfig.logging_config.log_level",
+                               "it sets the level of Ray Train's controller logs, and that controller "
+                               "does not run here; raylastic logs to the 'raylastic' logger"))
+    return RunConfig(name=rc.name, storage_path=rc.storage_path,
+                     failure_config=translate_failure(rc.failure_config, ignored),
+                     checkpoint_config=translate_checkpoint(rc.checkpoint_config, ignored))
+
+
+def translate_failure(fc: Optional[RayFailureConfig], ignored: List[Ignored]) -> FailureConfig:
+    fc = RayFailureConfig() if fc is None else fc
+    _check_type(fc, RayFailureConfig, "RunConfig.failure_config", "ray.train.FailureConfig(max_failures=...)")
+    if fc.fail_fast != _DEPRECATED:
+        raise _refuse("FailureConfig.fail_fast", fc.fail_fast, "Ray Train 2.x deprecated it",
+                      "remove fail_fast; max_failures=0 (the default) fails at the first error")
+    for name in ("max_failures", "max_preemption_failures"):
+        value = getattr(fc, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+            raise ConfigError(f"ray.train.FailureConfig.{name} must be an int >= -1 (-1 = unlimited), "
+                              f"got {value!r}.")
+    if fc.controller_failure_limit != -1:
+        raise _refuse("FailureConfig.controller_failure_limit", fc.controller_failure_limit,
+                      "raylastic has no controller retry count: a group that cannot start waits for "
+                      "capacity instead of failing, as Ray Train does with the default -1",
+                      "remove controller_failure_limit")
+    if fc.relax_collectives_on_preemption:
+        ignored.append(Ignored("FailureConfig.relax_collectives_on_preemption",
+                               "report() and get_checkpoint() are no collectives here: a preempted rank "
+                               "never strands the others, which is what the flag asks for"))
+    if fc.preemption_grace_s:
+        ignored.append(Ignored("FailureConfig.preemption_grace_s",
+                               "survivors are never torn down at a preemption deadline: only the workers "
+                               "on the draining node leave, at a report index every rank reaches"))
+    # Ray Train charges a node loss without a preemption to max_failures; raylastic
+    # charges every node loss to its own budget (max_node_failures), user errors and
+    # crashed processes on healthy nodes to max_failures.
+    preempt = fc.max_preemption_failures
+    return FailureConfig(max_failures=fc.max_failures, max_node_failures=None if preempt == -1 else preempt)
+
+
+def translate_checkpoint(cc: Optional[RayCheckpointConfig], ignored: List[Ignored]) -> CheckpointConfig:
+    cc = RayCheckpointConfig() if cc is None else cc
+    _check_type(cc, RayCheckpointConfig, "RunConfig.checkpoint_config", "ray.train.CheckpointConfig(num_to_keep=...)")
+    for name in ("checkpoint_frequency", "checkpoint_at_end"):
+        if getattr(cc, name) != _DEPRECATED:
+            raise _refuse(f"CheckpointConfig.{name}", getattr(cc, name),
+                          "Ray Train 2.x deprecated it: the train function decides when to checkpoint",
+                          f"remove {name} and pass checkpoint= to ray.train.report() when you want one")
+    if cc.checkpoint_score_attribute is not None:
+        raise _refuse("CheckpointConfig.checkpoint_score_attribute", cc.checkpoint_score_attribute,
+                      "raylastic keeps the newest num_to_keep committed checkpoints, never ranked by a metric",
+                      "remove checkpoint_score_attribute/checkpoint_score_order; pick the best checkpoint "
+                      "after fit() with result.get_best_checkpoint(metric, mode) over result.best_checkpoints "
+                      "(num_to_keep=None keeps all of them)")
+    if cc.checkpoint_score_order != "max":
+        ignored.append(Ignored("CheckpointConfig.checkpoint_score_order",
+                               "it only orders checkpoints by checkpoint_score_attribute, which is not set "
+                               "(the same in Ray Train)"))
+    keep = cc.num_to_keep  # raylastic's CheckpointConfig refuses ints < 1
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool)):
+        raise ConfigError(f"ray.train.CheckpointConfig.num_to_keep must be an int >= 1 or None (keep all), "
+                          f"got {keep!r}.")
+    return CheckpointConfig(num_to_keep=cc.num_to_keep)
+
+
+# -- TorchConfig ------------------------------------------------------------------------
+
+def check_torch_config(tc: Any, use_gpu: bool, ignored: List[Ignored]) -> None:
+    """``ray.train.torch.TorchConfig``: the backend must be the one raylastic uses."""
+    if tc is None:
+        return
+    from ray.train.torch import TorchConfig
+
+    _check_type(tc, TorchConfig, "torch_config", "ray.train.torch.TorchConfig(...) or leave it out")
+    backend = "nccl" if use_gpu else "gloo"
+    if tc.backend not in (None, backend):
+        raise _refuse("torch.TorchConfig.backend", tc.backend,
+                      f"raylastic uses {backend} {'with use_gpu=True' if use_gpu else 'on CPU (use_gpu=False)'}",
+                      f"remove backend (or pass backend={backend!r})")
+    if tc.timeout_s not in (_TORCH_CONFIG_DEFAULT_TIMEOUT_S, GROUP_TIMEOUT_S):
+        raise _refuse("torch.TorchConfig.timeout_s", tc.timeout_s,
+                      f"raylastic's process group times out after {GROUP_TIMEOUT_S:.0f} s so that a lost peer "
+                      "is noticed quickly",
+                      f"remove timeout_s, and keep work that one rank does while the others wait in a "
+                      f"collective under {GROUP_TIMEOUT_S:.0f} s")
+    if tc.init_method != "env":
+        ignored.append(Ignored("torch.TorchConfig.init_method",
+                               "raylastic rendezvouses each membership epoch through its own TCPStore"))
+

@@ -1,0 +1,119 @@
+"""raylastic.TorchTrainer as a drop-in for Ray Train's, end to end on a local cluster.
+
+The train function is Ray's own shipped example
+(``ray/train/examples/pytorch/torch_linear_example.py``: in-memory data, a
+DataLoader through ``ray.train.torch.prepare_data_loader``, DDP through
+``prepare_model``, ``ray.train.report`` with a checkpoint per epoch), imported from the
+installed ray wheel and run unchanged, with Ray Train's own config objects.
+"""
+
+import os
+import tempfile
+
+import pyarrow.fs as pafs
+import pytest
+import ray
+import ray.train
+import torch
+from ray.train.examples.pytorch.torch_linear_example import train_func as ray_linear_train_func
+
+import raylastic
+from raylastic.events import EventKind, load_events
+from raylastic.testing.faults import FitThread, RunWatcher, kill_node_at
+
+pytestmark = pytest.mark.timeout(300)
+
+LINEAR = {"lr": 1e-2, "hidden_size": 1, "batch_size": 4}
+
+
+def _checkpoint_dirs(run_path):
+    return sorted(d for d in os.listdir(os.path.join(run_path, "checkpoints")) if d.startswith("checkpoint_"))
+
+
+def test_ray_linear_example_runs_unchanged(local_cluster, run_dir):
+    trainer = raylastic.TorchTrainer(
+        ray_linear_train_func,
+        train_loop_config={**LINEAR, "epochs": 3},
+        scaling_config=ray.train.ScalingConfig(num_workers=(2, 3)),
+        run_config=ray.train.RunConfig(name="linear", storage_path=run_dir,
+                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),
+    )
+    result = trainer.fit()
+
+    assert isinstance(result, ray.train.Result)
+    assert result.error is None
+    assert result.world_sizes and all(2 <= w <= 3 for w in result.world_sizes)
+    # return_value: rank 0's list of per-epoch results; metrics: the last report.
+    losses = [r["loss"] for r in result.return_value]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert result.metrics == {"loss": losses[-1]}
+    # path is the run directory on result.filesystem, as in Ray Train.
+    assert result.path == os.path.join(run_dir, "linear")
+    assert isinstance(result.filesystem, pafs.LocalFileSystem)
+    assert result.filesystem.get_file_info(result.path).type == pafs.FileType.Directory
+    # best_checkpoints: the kept checkpoints (num_to_keep=2), oldest first, with their metrics.
+    assert [m["loss"] for _, m in result.best_checkpoints] == losses[-2:]
+    assert [os.path.basename(c.path) for c, _ in result.best_checkpoints] == _checkpoint_dirs(result.path)
+    assert result.checkpoint.path == result.best_checkpoints[-1][0].path
+    assert list(result.metrics_dataframe["loss"]) == losses[-2:]
+    assert result.get_best_checkpoint("loss", "min").path == result.checkpoint.path
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(os.path.join(d, "model.pt"), weights_only=True)
+    assert {k.split(".")[-1] for k in state} == {"weight", "bias"}
+
+
+def test_ray_linear_example_survives_a_node_loss(local_cluster, restore_nodes, run_dir):
+    """A fixed size (num_workers=3) survives too: the group shrinks to the survivors."""
+    trainer = raylastic.TorchTrainer(
+        ray_linear_train_func,
+        # One report per epoch; epochs long enough that the node goes while training.
+        train_loop_config={**LINEAR, "epochs": 4, "data_size": 3000},
+        scaling_config=ray.train.ScalingConfig(num_workers=(2, 3)),
+        run_config=ray.train.RunConfig(name="linear_loss", storage_path=run_dir),
+    )
+    th = FitThread(trainer)
+    th.start()
+    watcher = RunWatcher(os.path.join(run_dir, "linear_loss"))
+    killed = kill_node_at(local_cluster, watcher, 1)
+    result = th.wait(180)
+
+    assert result.error is None
+    events = load_events(result.path)
+    lost = [e for e in events if e["kind"] == EventKind.WORKER_LOST.value and e["cause"] == "node_lost"]
+    assert [e["node_id"] for e in lost] == [killed]
+    assert result.world_sizes[0] == 3 and result.world_sizes[-1] == 2, result.world_sizes
+    assert result.restarts >= 1
+    # The example keeps no training state in its checkpoints, so after the restore it
+    # trains its 4 epochs again: 4 results from the last attempt, loss going down.
+    losses = [r["loss"] for r in result.return_value]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert result.metrics == {"loss": losses[-1]}
+
+
+def test_resume_from_checkpoint_until_the_run_has_its_own(local_cluster, run_dir, tmp_path):
+    given = tmp_path / "given"
+    given.mkdir()
+    (given / "count.txt").write_text("41")
+
+    def count_up(config):  # Ray Train style; nested, so Ray ships it by value
+        with ray.train.get_checkpoint().as_directory() as d:
+            start = int(open(os.path.join(d, "count.txt")).read())
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None  # Ray Train 2.x's pattern: rank 0 alone saves and passes one
+            if ray.train.get_context().get_world_rank() == 0:
+                with open(os.path.join(d, "count.txt"), "w") as fh:
+                    fh.write(str(start + 1))
+                checkpoint = ray.train.Checkpoint.from_directory(d)
+            ray.train.report({"count": start + 1}, checkpoint=checkpoint)
+        return start
+
+    trainer = raylastic.TorchTrainer(
+        count_up, scaling_config=ray.train.ScalingConfig(num_workers=2),
+        run_config=ray.train.RunConfig(name="resume", storage_path=run_dir),
+        resume_from_checkpoint=ray.train.Checkpoint.from_directory(str(given)))
+    first = trainer.fit()
+    assert (first.return_value, first.metrics) == (41, {"count": 42})
+    # fit() again on the same run: its committed checkpoint wins over resume_from_checkpoint.
+    second = trainer.fit()
+    assert (second.return_value, second.metrics) == (42, {"count": 43})
+    assert [m["count"] for _, m in second.best_checkpoints] == [42, 43]
