@@ -19,16 +19,13 @@ forgotten ``stop()``).
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
-import subprocess
 import tempfile
 import time
-import weakref
 from pathlib import Path
 from typing import Optional
+from raylastic.testing._server import ServerProcess
 from raylastic.testing.ports import free_ports
 
 __all__ = ["Azurite", "AzuriteNotInstalled", "find_azurite"]
@@ -64,30 +61,7 @@ def _port_open(host: str, port: int) -> bool:
         return False
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left after ``grace_s``."""
-    if proc.returncode is not None:
-        return  # reaped earlier: its pid may already belong to someone else
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    # The leader may be gone while children linger: sweep the group before anything reuses it.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
-        pass
-
-
-class Azurite:
+class Azurite(ServerProcess):
     """One Azurite emulator (blob + table + queue) on free 127.0.0.1 ports.
 
     ``start()`` is called by ``__enter__``; ``stop()``/``start()`` may be repeated and reuse the
@@ -98,6 +72,8 @@ class Azurite:
     host = "127.0.0.1"
     account_name = ACCOUNT_NAME
     account_key = ACCOUNT_KEY
+    stop_grace_s = 3.0
+    log_name = "azurite.log"
 
     def __init__(self, *, executable: Optional[str] = None, startup_timeout_s: float = 30.0) -> None:
         exe = executable or find_azurite()
@@ -107,10 +83,7 @@ class Azurite:
         self.startup_timeout_s = startup_timeout_s
         # one call: ports picked one by one can repeat (seen: table and queue on one port)
         self.blob_port, self.table_port, self.queue_port = free_ports(3, self.host)
-        self._workdir = tempfile.mkdtemp(prefix="raylastic-azurite-")
-        self._proc: Optional[subprocess.Popen] = None
-        self._procs: list = [None]  # shared with the finalizer, which must not hold ``self``
-        self._finalizer = weakref.finalize(self, Azurite._cleanup, self._procs, self._workdir)
+        super().__init__(tempfile.mkdtemp(prefix="raylastic-azurite-"), delete_workdir=True)
 
     # -- endpoints --------------------------------------------------------------------------
     @property
@@ -133,14 +106,6 @@ class Azurite:
             f"QueueEndpoint={self.queue_endpoint};TableEndpoint={self.table_endpoint};"
         )
 
-    @property
-    def log_path(self) -> str:
-        return os.path.join(self._workdir, "azurite.log")
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> "Azurite":
         """Start (or restart) the emulator on this instance's ports; wait until all accept."""
@@ -154,15 +119,7 @@ class Azurite:
             "--tableHost", self.host, "--tablePort", str(self.table_port),
             "--queueHost", self.host, "--queuePort", str(self.queue_port),
         ]
-        log = open(self.log_path, "ab")
-        try:
-            self._proc = subprocess.Popen(
-                cmd, cwd=self._workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,  # own process group: stop() kills node and its children
-            )
-        finally:
-            log.close()
-        self._procs[0] = self._proc
+        self._spawn(cmd)  # own process group: stop() kills node and its children
         self._wait_ready()
         return self
 
@@ -187,37 +144,9 @@ class Azurite:
             f"on a loaded machine."
         )
 
-    def _log_tail(self, n: int = 2000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return "<no log>"
-
-    def stop(self, grace_s: float = 3.0) -> None:
+    def stop(self, grace_s: Optional[float] = None) -> None:
         """Kill the emulator's process group and wait for it (in-memory data is lost)."""
-        if self._proc is not None:
-            _kill_group(self._proc, grace_s)
-            self._proc = None
-            self._procs[0] = None
-
-    def close(self) -> None:
-        """Stop and delete the working directory; the instance cannot be restarted after."""
-        self.stop()
-        self._finalizer()
-
-    @staticmethod
-    def _cleanup(procs, workdir: str) -> None:
-        for proc in procs:
-            if proc is not None:
-                _kill_group(proc, 1.0)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-    def __enter__(self) -> "Azurite":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        super().stop(grace_s)
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

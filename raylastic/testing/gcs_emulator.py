@@ -23,15 +23,12 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import tempfile
-import time
 import urllib.request
-import weakref
 from typing import Optional
 
 from raylastic.testing.ports import free_port
-from raylastic.testing.seaweedfs import _kill_group
+from raylastic.testing._server import ServerProcess
 
 __all__ = ["FakeGcs", "FakeGcsNotInstalled", "find_fake_gcs"]
 
@@ -59,13 +56,16 @@ def find_fake_gcs() -> Optional[str]:
     return shutil.which("fake-gcs-server")
 
 
-class FakeGcs:
+class FakeGcs(ServerProcess):
     """One fake-gcs-server on a free 127.0.0.1 port, data kept in ``data_dir``.
 
     ``start()`` waits until a small object can be written and read back through pyarrow.
     """
 
     host = "127.0.0.1"
+    log_name = "fake-gcs-server.log"
+    server_name = "fake-gcs-server"
+    probe_interval_s = 0.1
 
     def __init__(self, *, bucket: str = "raylastic-test", data_dir: Optional[str] = None,
                  executable: Optional[str] = None, startup_timeout_s: float = 30.0) -> None:
@@ -81,23 +81,12 @@ class FakeGcs:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="raylastic-fakegcs-")
         os.makedirs(os.path.join(self.data_dir, "objects"), exist_ok=True)
-        self._proc: Optional[subprocess.Popen] = None
-        self._procs: list = [None]  # shared with the finalizer, which must not hold self
-        self._finalizer = weakref.finalize(
-            self, FakeGcs._cleanup, self._procs, self.data_dir if self._own_dir else None)
+        super().__init__(self.data_dir, delete_workdir=self._own_dir)
 
     # -- addresses ---------------------------------------------------------------------------
     @property
     def endpoint(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    @property
-    def log_path(self) -> str:
-        return os.path.join(self.data_dir, "fake-gcs-server.log")
 
     def uri(self, prefix: str = "", bucket: Optional[str] = None) -> str:
         """``gs://bucket/prefix`` for :class:`raylastic.checkpoint.storage.Storage`."""
@@ -135,33 +124,12 @@ class FakeGcs:
             "-external-url", self.endpoint, "-backend", "filesystem",
             "-filesystem-root", os.path.join(self.data_dir, "objects"), "-log-level", "warn",
         ]
-        log = open(self.log_path, "ab")
-        try:
-            self._proc = subprocess.Popen(
-                cmd, cwd=self.data_dir, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)  # own group: stop() kills all
-        finally:
-            log.close()
-        self._procs[0] = self._proc
+        self._spawn(cmd)
         self._wait_ready()
         return self
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        last: Exception | None = None
-        while time.monotonic() < deadline and self._proc.poll() is None:
-            try:
-                self._probe()
-                return
-            except Exception as exc:  # noqa: BLE001 - not up yet; retry until the deadline
-                last = exc
-                time.sleep(0.1)
-        rc = self._proc.poll()
-        self.stop()
-        why = f"exited with code {rc}" if rc is not None else (
-            f"not writable after {self.startup_timeout_s:.0f}s (last error: {last})")
-        raise RuntimeError(f"fake-gcs-server {why}; port {self.port}; log tail:\n"
-                           f"{self._log_tail()}\nraise startup_timeout_s on a loaded machine")
+    def _where(self) -> str:
+        return f"port {self.port}"
 
     def _probe(self) -> None:
         # A plain HTTP request first (no proxy: the server is local): pyarrow's client
@@ -178,43 +146,6 @@ class FakeGcs:
             if src.read() != b"ok":
                 raise RuntimeError("probe object read back wrong")
         fs.delete_file(key)
-
-    def _log_tail(self, n: int = 3000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return "<no log>"
-
-    def stop(self, grace_s: float = 1.0) -> None:
-        """Kill the server's process group (objects on disk survive for ``start()``)."""
-        if self._proc is not None:
-            _kill_group(self._proc, grace_s)
-            self._proc = None
-            self._procs[0] = None
-
-    def close(self) -> None:
-        """Stop and delete the data dir if this harness created it; no restart after."""
-        self.stop()
-        self._finalizer()
-
-    @staticmethod
-    def _cleanup(procs, data_dir: Optional[str]) -> None:
-        for proc in procs:
-            if proc is not None:
-                _kill_group(proc, 1.0)
-        if data_dir:
-            shutil.rmtree(data_dir, ignore_errors=True)
-
-    def __enter__(self) -> "FakeGcs":
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

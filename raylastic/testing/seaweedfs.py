@@ -22,14 +22,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 import uuid
-import weakref
 from typing import Optional
+from raylastic.testing._server import ServerProcess
 from raylastic.testing.ports import free_ports
 
 __all__ = ["SeaweedS3", "SeaweedNotInstalled", "find_weed"]
@@ -50,25 +47,7 @@ def find_weed() -> Optional[str]:
     return shutil.which("weed")
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the process group, then SIGKILL what is left after ``grace_s``."""
-    if proc.returncode is not None:
-        return  # reaped earlier: the pgid may belong to someone else now
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=wait_s)
-            if sig == signal.SIGKILL:
-                return
-        except subprocess.TimeoutExpired:
-            pass
-    # leader reaped after SIGTERM: sweep stragglers in the group (killpg above did it)
-
-
-class SeaweedS3:
+class SeaweedS3(ServerProcess):
     """One ``weed server`` (master + volume + filer + S3 gateway) on free 127.0.0.1 ports.
 
     ``start()`` waits until a small object can be written and read back (the S3 port opens
@@ -77,6 +56,8 @@ class SeaweedS3:
 
     host = "127.0.0.1"
     region = "us-east-1"
+    log_name = "weed.log"
+    server_name = "SeaweedFS"
 
     def __init__(self, *, bucket: str = "raylastic-test", data_dir: Optional[str] = None,
                  executable: Optional[str] = None, startup_timeout_s: float = 60.0) -> None:
@@ -94,6 +75,7 @@ class SeaweedS3:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="raylastic-seaweed-")
         os.makedirs(self.data_dir, exist_ok=True)
+        super().__init__(self.data_dir, delete_workdir=self._own_dir)
         self._config_path = os.path.join(self.data_dir, "s3.json")
         with open(self._config_path, "w") as f:
             json.dump({"identities": [{
@@ -102,23 +84,11 @@ class SeaweedS3:
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
             }]}, f)
         os.chmod(self._config_path, 0o600)
-        self._proc: Optional[subprocess.Popen] = None
-        self._procs: list = [None]  # shared with the finalizer, which must not hold self
-        self._finalizer = weakref.finalize(
-            self, SeaweedS3._cleanup, self._procs, self.data_dir if self._own_dir else None)
 
     # -- addresses ---------------------------------------------------------------------------
     @property
     def endpoint(self) -> str:
         return f"http://{self.host}:{self.ports['s3']}"
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    @property
-    def log_path(self) -> str:
-        return os.path.join(self.data_dir, "weed.log")
 
     def uri(self, prefix: str = "", bucket: Optional[str] = None) -> str:
         """``s3://bucket/prefix`` for :class:`raylastic.checkpoint.storage.Storage`."""
@@ -171,33 +141,12 @@ class SeaweedS3:
             f"-s3.localSocket={os.path.join(self.data_dir, 's3.sock')}",
             "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={self._config_path}",
         ]
-        log = open(self.log_path, "ab")
-        try:
-            self._proc = subprocess.Popen(
-                cmd, cwd=self.data_dir, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)  # own group: stop() kills all
-        finally:
-            log.close()
-        self._procs[0] = self._proc
+        self._spawn(cmd)
         self._wait_ready()
         return self
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        last: Exception | None = None
-        while time.monotonic() < deadline and self._proc.poll() is None:
-            try:
-                self._probe()
-                return
-            except Exception as exc:  # noqa: BLE001 - not up yet; retry until the deadline
-                last = exc
-                time.sleep(0.2)
-        rc = self._proc.poll()
-        self.stop()
-        why = f"exited with code {rc}" if rc is not None else (
-            f"not writable after {self.startup_timeout_s:.0f}s (last error: {last})")
-        raise RuntimeError(f"SeaweedFS {why}; ports {self.ports}; log tail:\n{self._log_tail()}\n"
-                           "raise startup_timeout_s on a loaded machine")
+    def _where(self) -> str:
+        return f"ports {self.ports}"
 
     def _probe(self) -> None:
         import pyarrow.fs as pafs
@@ -213,45 +162,12 @@ class SeaweedS3:
                 raise RuntimeError("probe object read back wrong")
         fs.delete_file(key)
 
-    def _log_tail(self, n: int = 3000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return "<no log>"
-
-    def stop(self, grace_s: float = 1.0) -> None:
+    def stop(self, grace_s: Optional[float] = None) -> None:
         """Kill the server's process group (data on disk survives for ``start()``).
 
-        ``weed`` takes ~15 s to shut down gracefully; after ``grace_s`` it is killed, which
-        is a crash as far as the server knows, so a restart also exercises its recovery."""
-        if self._proc is not None:
-            _kill_group(self._proc, grace_s)
-            self._proc = None
-            self._procs[0] = None
-
-    def close(self) -> None:
-        """Stop and delete the data dir if this harness created it; no restart after."""
-        self.stop()
-        self._finalizer()
-
-    @staticmethod
-    def _cleanup(procs, data_dir: Optional[str]) -> None:
-        for proc in procs:
-            if proc is not None:
-                _kill_group(proc, 1.0)
-        if data_dir:
-            shutil.rmtree(data_dir, ignore_errors=True)
-
-    def __enter__(self) -> "SeaweedS3":
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        ``weed`` takes ~15 s to shut down gracefully; after ``grace_s`` (1 s) it is killed,
+        which is a crash as far as the server knows, so a restart also exercises its recovery."""
+        super().stop(grace_s)
 
     def __repr__(self) -> str:  # no secret key
         state = "running" if self.running else "stopped"
