@@ -14,6 +14,7 @@ copied to storage before ``report`` returns), and nothing waits on other ranks.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -211,6 +212,12 @@ class Session:
         wait for the upload when ``CheckpointConfig(async_upload=False)``."""
         start = time.perf_counter()
         with checkpoint.as_directory() as local_dir:
+            if not _has_files(local_dir):
+                # The usual DDP pattern: every rank reports a directory, only rank 0 wrote
+                # into it. An empty one adds nothing (as in Ray Train): the record carries
+                # no checkpoint, so rank 0's files alone make the checkpoint.
+                self._append(record)
+                return
             staged = self.uploader.stage(local_dir, f"e{self.spec.epoch}-{record.index}-r{self.spec.rank}")
         record.stage_s = time.perf_counter() - start
         record.checkpoint_rel = checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
@@ -265,6 +272,10 @@ class Session:
     @property
     def aborted(self) -> bool:
         return self._abort.is_set()
+
+
+def _has_files(directory: str) -> bool:
+    return any(files for _root, _dirs, files in os.walk(directory))
 
 
 def checkpoint_rel(run_rel: str, index: int, epoch: int) -> str:

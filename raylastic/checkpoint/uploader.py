@@ -30,6 +30,7 @@ def stage_dir(src: str, dst: str) -> None:
     """Copy a directory tree to ``dst`` with the kernel's copy (``copyfile`` uses
     sendfile/copy_file_range): the only work ``report()`` does on the training thread.
     Checksums are computed afterwards, in the upload thread."""
+    os.makedirs(dst, exist_ok=True)  # an empty tree stages (and uploads) as an empty directory
     for root, _dirs, files in os.walk(src):
         for name in files:
             s = os.path.join(root, name)

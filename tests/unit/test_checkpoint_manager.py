@@ -191,3 +191,44 @@ def test_an_unreadable_manifest_is_an_error_not_a_missing_checkpoint(env):
     manifest.mkdir()
     with pytest.raises(StorageError, match="read 'run/checkpoints/checkpoint_00000002-e1/"):
         CheckpointManager(storage, "run", None, events)
+
+
+def test_an_empty_checkpoint_directory_stages_and_uploads(tmp_path):
+    """Staging creates the destination even when there is nothing to copy (a rank that
+    wrote no files), so its upload does not fail with 'not a directory'."""
+    from raylastic.checkpoint.uploader import AsyncUploader
+
+    storage = Storage(str(tmp_path / "store"))
+    (tmp_path / "empty").mkdir()
+    up = AsyncUploader(storage, staging_root=str(tmp_path / "staging"))
+    results = []
+    up.submit(up.stage(str(tmp_path / "empty"), "k"), "run/ck", results.append)
+    up.wait(10)
+    assert [(r.rel, r.error, list(r.files)) for r in results] == [("run/ck", None, [])]
+
+
+def test_a_rank_reporting_an_empty_directory_contributes_no_checkpoint(tmp_path):
+    """The README's DDP pattern: every rank reports Checkpoint.from_directory(d), only
+    rank 0 writes into d. Rank 1's record carries no checkpoint; rank 0's does."""
+    from ray.train import Checkpoint
+
+    from raylastic.checkpoint.uploader import AsyncUploader
+    from raylastic.session import GroupSpec, RestoreInfo, Session
+
+    storage = Storage(str(tmp_path / "store"))
+    records = {}
+    for rank in (0, 1):
+        spec = GroupSpec(epoch=1, rank=rank, world_size=2, local_rank=rank, local_world_size=2, node_rank=0,
+                         master_addr="127.0.0.1", master_port=0, backend="gloo")
+        sess = Session(spec=spec, storage=storage, run_rel="run", run_name="run", restore=RestoreInfo(),
+                       uploader=AsyncUploader(storage, staging_root=str(tmp_path / f"staging{rank}")),
+                       async_upload=False)
+        d = tmp_path / f"ckpt{rank}"
+        d.mkdir()
+        if rank == 0:
+            (d / "state.pt").write_bytes(b"weights")
+        sess.report({"step": 1}, checkpoint=Checkpoint.from_directory(str(d)))
+        records[rank] = sess.drain()
+    assert [r.checkpoint_rel for r in records[1]] == [None]
+    (rec0,) = records[0]
+    assert rec0.checkpoint_rel and [f[0] for f in rec0.files] == ["state.pt"]
