@@ -16,7 +16,9 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
-from raylastic._internal.worker_group.group import Formed, Interrupted, PollBatch, StopOutcome, order_by_node
+from raylastic._internal.worker_group.group import (
+    Formed, Interrupted, MembersLost, PollBatch, StopOutcome, order_by_node,
+)
 from raylastic._internal.worker_group.pool import WorkerHandle
 from raylastic._internal.worker_group.results import PollResult, StopAnswer, WorkerStatus
 from raylastic.session import GroupSpec, ReportRecord, RestoreInfo, checkpoint_rel
@@ -54,6 +56,9 @@ class FakeGroup:
         self.block_stop = False  # stop() waits for the controller's interrupt
         self.stop_calls: List[bool] = []  # graceful flag of each stop()
         self.on_report: Optional[Callable[[int, int], None]] = None  # (rank, index) before each report
+        # A node lost while a call to every member is in flight (the others answer).
+        self.lose_on_start: Optional[str] = None
+        self.lose_on_request_stop: Optional[str] = None
 
     # -- scripting -----------------------------------------------------------------
     def add_worker(self, node: str) -> WorkerHandle:
@@ -117,10 +122,23 @@ class FakeGroup:
         return Formed(members, specs)
 
     def start(self, formed: Formed, train_func, config, restore: RestoreInfo) -> None:
+        self._lose_during_call(formed.members, "lose_on_start")
         for m in formed.members:
             w = self.worker(m)
             w.status, w.index, w.stop_at = WorkerStatus.RUNNING, restore.index, None
             w.restores.append(restore)
+        self._raise_if_lost(formed.members)
+
+    def _lose_during_call(self, members: Sequence[WorkerHandle], knob: str) -> None:
+        node = getattr(self, knob)
+        if node is not None:
+            setattr(self, knob, None)
+            self.lose_node(node)
+
+    def _raise_if_lost(self, members: Sequence[WorkerHandle]) -> None:
+        dead = [m for m in members if self.worker(m).dead]
+        if dead:
+            raise MembersLost(PollBatch(lost=dead, causes={m.wid: None for m in dead}))
 
     def poll(self, members: Sequence[WorkerHandle]) -> PollBatch:
         batch = PollBatch()
@@ -175,6 +193,8 @@ class FakeGroup:
         return float("inf")
 
     def request_stop_at(self, members: Sequence[WorkerHandle], index: int) -> List[StopAnswer]:
+        self._lose_during_call(members, "lose_on_request_stop")
+        self._raise_if_lost(members)
         answers = []
         for m in members:
             w = self.worker(m)

@@ -236,3 +236,32 @@ def test_a_group_stopped_before_its_first_report_records_no_first_step(tmp_path)
 
     firsts = _events(tmp_path, ctrl, EventKind.FIRST_STEP)
     assert [e["epoch"] for e in firsts] == [2]
+
+
+def test_a_node_lost_while_the_group_starts_is_a_node_loss(tmp_path):
+    ctrl, group = _controller(tmp_path)
+    for n in ("na", "nb", "nc"):
+        group.add_worker(n)
+    group.lose_on_start = "nc"  # its start() call fails; the others entered the train function
+
+    assert _tick_until(ctrl, lambda st: isinstance(st, Running) and st.epoch == 2) == [
+        "Running", "Resizing", "Scheduling", "Running"]
+    assert len(ctrl._state.members) == 2
+    lost = _events(tmp_path, ctrl, EventKind.WORKER_LOST)
+    assert [e["cause"] for e in lost] == ["node_lost"]
+    assert ctrl._counts.node_losses == 1 and ctrl._counts.errors == 0
+
+
+def test_a_node_lost_while_a_graceful_stop_is_agreed_is_a_node_loss(tmp_path):
+    ctrl, group = _controller(tmp_path, min_w=1)
+    a, b, c = _start(ctrl, group, ["na", "nb", "nc"])
+    group.draining["nc"] = 0
+    group.lose_on_request_stop = "nb"  # gone between the stop's first poll and its request
+
+    seen = _tick_until(ctrl, lambda st: isinstance(st, Running) and st.epoch == 2)
+    assert seen == ["Resizing", "Scheduling", "Running"]
+    assert [m.wid for m in ctrl._state.members] == [a.wid]  # nc is draining: not taken again
+    lost = _events(tmp_path, ctrl, EventKind.WORKER_LOST)
+    assert [(e["wid"], e["cause"]) for e in lost] == [(b.wid, "node_lost")]
+    assert [e["graceful"] for e in _events(tmp_path, ctrl, EventKind.RESIZE)] == [False]
+    assert ctrl._counts.node_losses == 1

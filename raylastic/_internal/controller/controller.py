@@ -31,7 +31,7 @@ from raylastic._internal.controller.states import (
     Errored, Finished, Resizing, Running, Scheduling, State, check_transition, is_terminal,
 )
 from raylastic._internal.worker_group.group import (
-    ABORT_JOIN_MIN_S, GroupFormationError, Interrupted, PollBatch, WorkerGroup,
+    ABORT_JOIN_MIN_S, GroupFormationError, Interrupted, MembersLost, PollBatch, WorkerGroup,
 )
 from raylastic._internal.worker_group.pool import WorkerHandle
 from raylastic._internal.worker_group.results import PollResult, WorkerStatus, cause_text, rank_errors
@@ -292,6 +292,8 @@ class Controller:
         except Interrupted:  # some may have started: no train function outlives the run
             self._group.abort(members, epoch)
             raise
+        except MembersLost as e:  # Running's first poll finds them gone: a loss like any other
+            logger.warning("epoch %s: %s while starting; handling it as a loss", epoch, e)
         self._memory.skip_next = False  # the members drop the snapshots newer than restore.index
         self._events.emit(EventKind.TRAINING_STARTED, epoch=epoch, world_size=world)
         return Running(epoch=epoch, members=members, started_at=time.monotonic(),

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence
 
 from raylastic._internal.controller.ingest import ReportIngest
 from raylastic._internal.controller.states import Resizing
-from raylastic._internal.worker_group.group import JOIN_TIMEOUT_S, PollBatch, WorkerGroup
+from raylastic._internal.worker_group.group import JOIN_TIMEOUT_S, MembersLost, PollBatch, WorkerGroup
 from raylastic._internal.worker_group.results import WorkerStatus, rank_errors
 from raylastic.errors import RankFailure
 from raylastic.events import EventKind, EventLog
@@ -73,7 +73,10 @@ class GracefulStop:
         if batch.lost:
             return Failed(batch)
         if self.target is None:
-            self._begin(max([r.index for r in batch.results.values()], default=0))
+            try:
+                self._begin(max([r.index for r in batch.results.values()], default=0))
+            except MembersLost as e:  # one died between the poll and the request
+                return Failed(e.batch)
             return None
         statuses = [batch.results[m.wid].status for m in st.members if m.wid in batch.results]
         if len(statuses) == len(st.members) and all(s != WorkerStatus.RUNNING for s in statuses):

@@ -58,6 +58,14 @@ class Interrupted(Exception):
     """A stop was requested while the group was waiting on its workers."""
 
 
+class MembersLost(Exception):
+    """A call to every member failed because some are gone (``batch.lost``)."""
+
+    def __init__(self, batch: "PollBatch"):
+        super().__init__(f"{len(batch.lost)} worker(s) gone")
+        self.batch = batch
+
+
 class GroupFormationError(Exception):
     """The process group could not be formed; ``gone`` workers were removed."""
 
@@ -224,8 +232,24 @@ class WorkerGroup:
 
     def start(self, formed: Formed, train_func: Callable, config: Optional[Dict[str, Any]],
               restore: RestoreInfo) -> None:
-        self._get_all([m.actor.start.remote(train_func, config, s, restore)
-                       for m, s in zip(formed.members, formed.specs)], GROUP_TIMEOUT_S)
+        """Enter the train function on every member; ``MembersLost`` if some are gone
+        (the others may have started)."""
+        self._call_all(formed.members, lambda m, s: m.actor.start.remote(train_func, config, s, restore),
+                       GROUP_TIMEOUT_S, formed.specs)
+
+    def _call_all(self, members: Sequence[WorkerHandle], call: Callable, timeout_s: float,
+                  args: Optional[Sequence[Any]] = None) -> List[Any]:
+        """``call(member[, arg])`` on every member and wait for all answers. A member
+        that died or does not answer turns into ``MembersLost`` (after a probe says which
+        are gone), so the caller treats it as a loss, not as a controller crash."""
+        refs = [call(m, a) if args is not None else call(m) for m, a in zip(members, args or members)]
+        try:
+            return self._get_all(refs, timeout_s)
+        except (RayActorError, GetTimeoutError) as e:
+            dead = self.probe(members, timeout_s=2.0)
+            if not dead:
+                raise
+            raise MembersLost(PollBatch(lost=[m for m in members if m.wid in dead], causes=dead)) from e
 
     # -- polling and liveness ------------------------------------------------------------
     def poll(self, members: Sequence[WorkerHandle]) -> PollBatch:
@@ -318,7 +342,9 @@ class WorkerGroup:
 
     # -- stopping ------------------------------------------------------------------------
     def request_stop_at(self, members: Sequence[WorkerHandle], index: int) -> List[StopAnswer]:
-        return self._get_all([m.actor.request_stop_at.remote(index) for m in members], JOIN_TIMEOUT_S)
+        """Ask every member to stop right after report ``index``; ``MembersLost`` if some
+        are gone."""
+        return self._call_all(members, lambda m: m.actor.request_stop_at.remote(index), JOIN_TIMEOUT_S)
 
     def abort(self, members: Sequence[WorkerHandle], epoch: int) -> Dict[int, Any]:
         """Tell members to unwind the train function of ``epoch`` now (no waiting);
