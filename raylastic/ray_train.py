@@ -28,6 +28,7 @@ from raylastic.checkpoint.manager import CheckpointManager
 from raylastic.checkpoint.storage import Storage
 from raylastic.errors import ConfigError
 from raylastic.ray_train_config import translate
+from raylastic.session import StorageCheckpoint
 from raylastic.trainer import ElasticTrainer
 from raylastic.trainer import Result as ElasticResult
 
@@ -157,7 +158,7 @@ class ResumeFrom:
 def ray_result(result: ElasticResult, storage_path: str, name: str) -> TorchTrainerResult:
     """Ray Train's result for raylastic's, reading the run's committed checkpoints."""
     storage = Storage(storage_path)
-    best = [(Checkpoint(path=storage.path(c.rel), filesystem=storage.fs), dict(c.metrics))
+    best = [(StorageCheckpoint(storage, c.rel), dict(c.metrics))
             for c in committed_checkpoints(storage, name)]
     return TorchTrainerResult(
         metrics=result.metrics, checkpoint=result.checkpoint, error=result.error,

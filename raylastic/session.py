@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
+from ray.air._internal.filelock import TempFileLock
 from ray.train import Checkpoint
 
 from raylastic.errors import CheckpointError
@@ -234,7 +235,7 @@ class Session:
     def get_checkpoint(self) -> Optional[Checkpoint]:
         if self.restore.checkpoint_rel is None:
             return self.initial_checkpoint
-        return Checkpoint(path=self.storage.path(self.restore.checkpoint_rel), filesystem=self.storage.fs)
+        return StorageCheckpoint(self.storage, self.restore.checkpoint_rel)
 
     # -- called from the actor's control threads ------------------------------------
     def drain(self) -> List[ReportRecord]:
@@ -272,6 +273,31 @@ class Session:
     @property
     def aborted(self) -> bool:
         return self._abort.is_set()
+
+
+class StorageCheckpoint(Checkpoint):
+    """A committed checkpoint in the run's storage (what ``get_checkpoint()`` and
+    ``Result.checkpoint`` return). Reading it (``as_directory``, ``to_directory``)
+    downloads through ``Storage.download_dir``: every file under the storage's retry
+    policy (a blip while a restored train function loads its state is waited out, not a
+    failed attempt), and nested directories on ``gs://``, where Ray's own download finds
+    no directory markers and fails. As in Ray, processes on one node that read the same
+    checkpoint at once share one download."""
+
+    def __init__(self, storage, rel: str):
+        super().__init__(path=storage.path(rel), filesystem=storage.fs)
+        self._storage, self._rel = storage, rel
+
+    def to_directory(self, path=None) -> str:
+        local = os.path.normpath(os.path.expanduser(str(path or self._get_temporary_checkpoint_dir())))
+        os.makedirs(local, exist_ok=True)
+        try:
+            with TempFileLock(local, timeout=0):
+                self._storage.download_dir(self._rel, local)
+        except TimeoutError:  # another process here is downloading it: wait for that one
+            with TempFileLock(local, timeout=-1):
+                pass
+        return local
 
 
 def _has_files(directory: str) -> bool:

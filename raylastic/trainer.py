@@ -17,6 +17,7 @@ from raylastic.checkpoint.storage import Storage
 from raylastic.config import RunConfig, ScalingConfig
 from raylastic.errors import ConfigError, TrainingAborted
 from raylastic.progress import ProgressLine
+from raylastic.session import StorageCheckpoint
 
 logger = logging.getLogger("raylastic")
 
@@ -137,7 +138,7 @@ class ElasticTrainer:
         ckpt_rel = outcome.get("checkpoint_rel")
         result = Result(
             metrics=outcome.get("metrics", {}),
-            checkpoint=Checkpoint(path=storage.path(ckpt_rel), filesystem=storage.fs) if ckpt_rel else None,
+            checkpoint=StorageCheckpoint(storage, ckpt_rel) if ckpt_rel else None,
             path=_join_uri(storage.uri, self._name),
             error=outcome.get("error"),
             world_sizes=outcome.get("world_sizes", []),

@@ -459,3 +459,30 @@ def test_an_outage_past_the_retry_budget_raises_and_deletes_nothing(
     if private_store.keeps_data:
         assert _listing(storage) == before
         assert CheckpointManager(storage, "run", None, scratch_events).latest().index == 2
+
+
+@pytest.mark.parametrize("private_store", ["gcs"], indirect=True)
+def test_a_train_function_reading_its_checkpoint_waits_out_an_outage(private_store, tmp_path, retry_watch):
+    """What get_checkpoint() hands a restored train function: reading it is a storage
+    call like the others, retried under the run's policy, so the restore survives a
+    blip instead of failing the attempt. (fake-gcs-server: its restart serves objects
+    at once; a restarting SeaweedFS answers HEAD before it serves data.)"""
+    from raylastic.session import StorageCheckpoint
+
+    storage = Storage(private_store.uri("ck"), retry=PATIENT)
+    rel = checkpoint_rel("run", 5, 1)
+    storage.write_bytes(f"{rel}/model/state.pt", b"weights")  # nested: no directory marker on GCS
+    ckpt = StorageCheckpoint(storage, rel)
+    private_store.stop()
+
+    def load():
+        with ckpt.as_directory() as d:
+            with open(os.path.join(d, "model", "state.pt"), "rb") as f:
+                return f.read()
+
+    read = _Call(load)
+    read.start()
+    retry_watch.wait_for(f"list '{rel}'", 2)  # provably blocked on the outage
+    assert read.is_alive()
+    private_store.start()
+    assert read.result() == b"weights"
