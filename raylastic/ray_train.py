@@ -24,7 +24,7 @@ from ray.train import Checkpoint
 from ray.train.v2.api.result import Result as RayResult
 
 from raylastic import session as _session
-from raylastic.checkpoint.manager import CheckpointManager
+from raylastic.checkpoint.manager import committed_checkpoints
 from raylastic.checkpoint.storage import Storage
 from raylastic.errors import ConfigError
 from raylastic.ray_train_config import translate
@@ -166,15 +166,3 @@ def ray_result(result: ElasticResult, storage_path: str, name: str) -> TorchTrai
         metrics_dataframe=pd.DataFrame([m for _, m in best]) if best else None,
         return_value=result.return_value, world_sizes=list(result.world_sizes), restarts=result.restarts,
     )
-
-
-class _NoEvents:
-    """Event sink for a read-only scan: listing manifests emits nothing."""
-
-    def emit(self, kind: Any, message: str = "", **fields: Any) -> None:
-        raise RuntimeError(f"a read-only checkpoint scan tried to emit {kind}: {message}")
-
-
-def committed_checkpoints(storage: Storage, run_rel: str) -> list:
-    """The run's committed checkpoints (valid manifest), oldest first."""
-    return CheckpointManager(storage, run_rel, num_to_keep=None, events=_NoEvents()).committed

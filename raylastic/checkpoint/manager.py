@@ -50,6 +50,45 @@ class CommittedCheckpoint:
         return sum(int(f[1]) for f in self.files)
 
 
+def committed_checkpoints(storage, run_rel: str) -> List[CommittedCheckpoint]:
+    """A run's committed checkpoints in storage, oldest first; corrupt ones skipped. Raises
+    StorageError when the store stays unreachable past the retry policy. Read-only."""
+    directory = f"{run_rel}/checkpoints"
+    found = []
+    for name in storage.list_dir(directory):
+        if _DIR_RE.match(name):
+            ckpt = _read_manifest(storage, f"{directory}/{name}")
+            if ckpt is not None:
+                found.append(ckpt)
+    found.sort(key=lambda c: (c.index, c.epoch))
+    return found
+
+
+def _read_manifest(storage, rel: str) -> Optional[CommittedCheckpoint]:
+    """The checkpoint committed in ``rel``; None when the store says it has no manifest,
+    or its manifest is corrupt. A store that cannot be read raises StorageError (after
+    the retry policy): "unreadable" is not "missing"."""
+    try:
+        raw = storage.read_bytes(f"{rel}/{MANIFEST}")
+    except FileNotFoundError:  # the store answered: never committed
+        return None
+    try:
+        data = json.loads(raw)
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {data.get('schema_version')}")
+        return CommittedCheckpoint(
+            rel=rel, index=int(data["index"]), epoch=int(data["epoch"]),
+            world_size=int(data["world_size"]), ts=float(data["ts"]),
+            files=[tuple(f) for f in data.get("files", [])], metrics=data.get("metrics", {}),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        # The manifest is written whole and last, so a corrupt one was not written by a
+        # commit: skip it, and leave it on storage (delete_uncommitted keeps it).
+        logger.warning("ignoring checkpoint %s: corrupt manifest (%s: %s)", rel,
+                       type(e).__name__, e)
+        return None
+
+
 class CheckpointManager:
     def __init__(self, storage, run_rel: str, num_to_keep: Optional[int], events: EventLog):
         self._storage = storage
@@ -65,42 +104,7 @@ class CheckpointManager:
 
     # -- listing / restore ---------------------------------------------------------
     def scan(self) -> List[CommittedCheckpoint]:
-        """Committed checkpoints in storage, oldest first; corrupt ones skipped. Raises
-        StorageError when the store stays unreachable past the retry policy."""
-        found = []
-        for name in self._storage.list_dir(self._dir):
-            m = _DIR_RE.match(name)
-            if not m:
-                continue
-            ckpt = self._read_manifest(f"{self._dir}/{name}")
-            if ckpt is not None:
-                found.append(ckpt)
-        found.sort(key=lambda c: (c.index, c.epoch))
-        return found
-
-    def _read_manifest(self, rel: str) -> Optional[CommittedCheckpoint]:
-        """The checkpoint committed in ``rel``; None when the store says it has no manifest,
-        or its manifest is corrupt. A store that cannot be read raises StorageError (after
-        the retry policy): "unreadable" is not "missing"."""
-        try:
-            raw = self._storage.read_bytes(f"{rel}/{MANIFEST}")
-        except FileNotFoundError:  # the store answered: never committed
-            return None
-        try:
-            data = json.loads(raw)
-            if data.get("schema_version") != SCHEMA_VERSION:
-                raise ValueError(f"schema_version {data.get('schema_version')}")
-            return CommittedCheckpoint(
-                rel=rel, index=int(data["index"]), epoch=int(data["epoch"]),
-                world_size=int(data["world_size"]), ts=float(data["ts"]),
-                files=[tuple(f) for f in data.get("files", [])], metrics=data.get("metrics", {}),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            # The manifest is written whole and last, so a corrupt one was not written by a
-            # commit: skip it, and leave it on storage (delete_uncommitted keeps it).
-            logger.warning("ignoring checkpoint %s: corrupt manifest (%s: %s)", rel,
-                           type(e).__name__, e)
-            return None
+        return committed_checkpoints(self._storage, self._run_rel)
 
     def latest(self) -> Optional[CommittedCheckpoint]:
         return self._committed[-1] if self._committed else None

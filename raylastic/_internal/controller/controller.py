@@ -230,8 +230,7 @@ class Controller:
         for name in od:  # do not refill the slots being given back
             self._group.set_target(name, migration.target.get(name, 0))
         return Resizing(epoch=st.epoch, members=st.members, reason=migration.reason, graceful=True,
-                        target_world_size=len(st.members), started_at=time.monotonic(), leaving=leaving,
-                        progress=st.progress)
+                        started_at=time.monotonic(), leaving=leaving, progress=st.progress)
 
     # -- Scheduling ----------------------------------------------------------------
     def _step_scheduling(self, st: Scheduling) -> State:
@@ -335,8 +334,7 @@ class Controller:
                               nodes=nodes, deadlines_ms=[self._group.draining.get(n) for n in nodes],
                               epoch=st.epoch)
             return Resizing(epoch=st.epoch, members=st.members, reason="preemption notice",
-                            graceful=True, target_world_size=len(st.members) - len(drained),
-                            started_at=time.monotonic(), leaving=drained, progress=st.progress)
+                            graceful=True, started_at=time.monotonic(), leaving=drained, progress=st.progress)
         snap = ScalingSnapshot(now=time.monotonic(), group_size=len(st.members),
                                ready_spares=len(self._group.ready_spares(st.members)),
                                last_ready_at=self._group.last_ready_at, waiting_since=None)
@@ -344,7 +342,7 @@ class Controller:
         if isinstance(d, Resize):
             self._events.emit(EventKind.DECISION, d.reason, decision="resize", world_size=d.world_size)
             return Resizing(epoch=st.epoch, members=st.members, reason=d.reason, graceful=True,
-                            target_world_size=d.world_size, started_at=time.monotonic(), progress=st.progress)
+                            started_at=time.monotonic(), progress=st.progress)
         time.sleep(self._run.poll_interval_s)
         return st
 
@@ -353,8 +351,7 @@ class Controller:
         restart the same members from the last committed checkpoint (not a failure)."""
         self._memory.mark_unusable(st.memory_index, st.epoch, failures[0].message.split(": ", 1)[-1].splitlines()[0])
         return Resizing(epoch=st.epoch, members=st.members, reason="in-memory snapshot unusable",
-                        graceful=False, target_world_size=len(st.members), started_at=time.monotonic(),
-                        progress=st.progress)
+                        graceful=False, started_at=time.monotonic(), progress=st.progress)
 
     # -- failures ------------------------------------------------------------------
     def _on_failure(self, st: Any, batch: PollBatch, failures: List[RankFailure]) -> State:
@@ -384,7 +381,7 @@ class Controller:
             self._stop_members(survivors, graceful=False)
             return Errored(TrainingFailedError(decision.reason, failures), failures)
         return Resizing(epoch=st.epoch, members=survivors, reason=f"{kind.value}: {decision.reason}",
-                        graceful=False, target_world_size=len(survivors), started_at=time.monotonic(),
+                        graceful=False, started_at=time.monotonic(),
                         lost_ranks=[m.prev_rank for m in batch.lost], progress=st.progress)
 
     def _worker_lost(self, m: WorkerHandle, cause: LossCause, message: str, **fields: Any) -> None:

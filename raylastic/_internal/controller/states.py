@@ -56,7 +56,6 @@ class Resizing:
     members: List[WorkerHandle]
     reason: str
     graceful: bool  # True: stop at an agreed report index; False: abort now
-    target_world_size: int = 0
     started_at: float = 0.0
     lost_ranks: List[int] = field(default_factory=list)
     leaving: List[WorkerHandle] = field(default_factory=list)  # stop, then release (drained nodes)
