@@ -23,8 +23,12 @@ more workers (``striped=True``, the default) each rank copies only its stripe: 2
 shards, placed so that every shard has copies on two nodes (``_internal/stripes.py``).
 Losing any one node leaves every shard on a survivor; each rank copies and holds 2/W of
 the state per step instead of all of it. Per-rank state (RNG) comes back from the rank's
-own snapshot when the rank survived. Sharded state (FSDP, ZeRO) has no such replicas:
-use storage checkpoints for it.
+own snapshot when the rank survived.
+
+Sharded models (FSDP2 ``fully_shard``, recognised by their DTensor parameters; DeepSpeed
+ZeRO 1-3 through ``ElasticState(engine=...)``) have no replicas: each rank snapshots its
+own shard and a peer copies it in the background, and a restore re-partitions the old
+shards for the new world size (``_internal/sharded_state.py``, ``docs/sharded.md``).
 
 Cost: ``commit()`` copies the state into host buffers recycled from the snapshot before
 last (no allocation, no page faults). By default (``async_snapshot=True``, an optimizer
@@ -58,6 +62,7 @@ from raylastic import session as _session
 from raylastic.errors import SnapshotMismatchError
 from raylastic._internal.snapshot_copy import StateCopier, clone_to_cpu, nbytes
 from raylastic._internal.holdings import HOLDS_NONE, WHOLE, Holding, is_whole, restore_from_memory_possible
+from raylastic._internal import sharded as _sharded_mod
 from raylastic._internal.stripes import assemble, held_leaves, leaves, map_leaves
 
 STATE_FILE = "elastic_state.pt"
@@ -184,13 +189,21 @@ class ElasticState:
     def __init__(self, *, model: Optional[torch.nn.Module] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler: Any = None,
                  loader: Any = None, persist_every: Optional[int] = None, snapshot_every: int = 1,
-                 async_snapshot: bool = True, striped: bool = True, **attrs: Any):
+                 async_snapshot: bool = True, striped: bool = True, engine: Any = None, **attrs: Any):
         if not isinstance(snapshot_every, int) or snapshot_every < 1:
             raise ValueError(f"ElasticState(snapshot_every={snapshot_every!r}) must be an int >= 1")
         if not isinstance(async_snapshot, bool):
             raise ValueError(f"ElasticState(async_snapshot={async_snapshot!r}) must be True or False")
         if not isinstance(striped, bool):
             raise ValueError(f"ElasticState(striped={striped!r}) must be True or False")
+        if engine is not None:  # DeepSpeed: the engine owns the module and the (ZeRO) optimizer
+            if model is not None or optimizer is not None:
+                raise ValueError("ElasticState(engine=...) takes the DeepSpeed engine instead of model= and "
+                                 "optimizer=: pass engine= alone")
+            model = getattr(engine, "module", None)
+            if model is None:
+                raise ValueError(f"ElasticState(engine={type(engine).__name__}) is not a DeepSpeed engine "
+                                 "(no .module): pass the engine deepspeed.initialize() returned")
         object.__setattr__(self, "_objs", {k: v for k, v in {
             "model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "loader": loader,
         }.items() if v is not None})
@@ -203,7 +216,16 @@ class ElasticState:
         object.__setattr__(self, "_sess", sess)
         # Overlapping the copy with the next step needs a point where it must be over:
         # the registered optimizer's next step(). Without an optimizer, copies are synchronous.
-        object.__setattr__(self, "_copier", StateCopier(model, optimizer, overlap=async_snapshot))
+        object.__setattr__(self, "_sharded", self._sharded_state(model, optimizer, engine, async_snapshot))
+        if self._sharded is not None:
+            self._objs.pop("model", None)
+            self._objs.pop("optimizer", None)
+            object.__setattr__(self, "_copier", StateCopier(None, None, overlap=False))
+            if self._sharded.overlap:
+                optimizer = optimizer if engine is None else engine.optimizer
+                optimizer.register_step_pre_hook(lambda _o, _a, _k: self._sharded.wait())
+        else:
+            object.__setattr__(self, "_copier", StateCopier(model, optimizer, overlap=async_snapshot))
         self._restore()
 
     # -- plain attributes ----------------------------------------------------------
@@ -220,7 +242,25 @@ class ElasticState:
             object.__setattr__(self, name, value)
 
     # -- restore -------------------------------------------------------------------
+    def _sharded_state(self, model, optimizer, engine, overlap: bool):
+        """The sharded-state half (FSDP2 or DeepSpeed), or None for replicated models."""
+        if engine is not None:
+            from raylastic._internal.sharded_deepspeed import DeepSpeedAdapter
+            adapter = DeepSpeedAdapter(engine)
+            optimizer = getattr(engine, "optimizer", None)
+        elif _sharded_mod.uses_dtensors(model):
+            adapter = _sharded_mod.FSDP2Adapter(model, optimizer)
+        else:
+            return None
+        from raylastic._internal.sharded_state import ShardedSnapshots
+        spec = self._sess.spec
+        return ShardedSnapshots(adapter, rank=spec.rank, world=spec.world_size, stripe=tuple(spec.stripe),
+                                timeout_s=spec.timeout_s, overlap=bool(overlap and optimizer is not None
+                                                                      and hasattr(optimizer, "register_step_pre_hook")))
+
     def _restore(self) -> None:
+        if self._sharded is not None:
+            return self._restore_sharded()
         sess = self._sess
         mem = sess.restore.memory_index
         if mem is not None:
@@ -253,6 +293,40 @@ class ElasticState:
         self._load(blob["plain"], blob["tensors"], {})
         object.__setattr__(self, "restored_from", "storage")
 
+    def _restore_sharded(self) -> None:
+        """Re-partition the old shards for this group (memory), or read the per-rank files
+        of the last persisted checkpoint (storage)."""
+        sess = self._sess
+        mem = sess.restore.memory_index
+        if mem is not None:
+            snap = STORE.get(sess.run_rel, mem)
+            try:
+                plain = self._sharded.restore_memory(snap)
+            except ValueError as e:
+                raise SnapshotMismatchError(
+                    f"rank {sess.spec.rank}: in-memory snapshot {mem} does not fit: {e}") from None
+            STORE.drop_after(sess.run_rel, mem)
+            self._load_plain(plain, snap.rng if snap is not None else {})  # a survivor keeps its RNG streams
+            object.__setattr__(self, "restored_from", "memory")
+            return
+        STORE.drop_after(sess.run_rel, sess.restore.index)
+        ckpt = sess.get_checkpoint()
+        if ckpt is None:
+            return
+        with ckpt.as_directory() as d:
+            path = os.path.join(d, STATE_FILE)
+            if not os.path.exists(path):
+                return  # a checkpoint written by the user's own code, not by ElasticState
+            blob = torch.load(path, weights_only=True)
+            try:
+                self._sharded.restore_storage(d, blob)
+            except ValueError as e:
+                raise ValueError(f"rank {sess.spec.rank}: checkpoint {sess.restore.checkpoint_rel} does not fit "
+                                 f"this model: {e}. Nothing was loaded; start a new run (another RunConfig.name) "
+                                 "or restore the matching model") from None
+        self._load_plain(blob["plain"], {})
+        object.__setattr__(self, "restored_from", "storage")
+
     def _assemble(self, index: int, snap: Optional[Snapshot]) -> Snapshot:
         """Every rank gets all of snapshot ``index``: shards (or all of it) that some
         rank lacks are broadcast from a holder. Workers that joined hold nothing; they
@@ -280,10 +354,15 @@ class ElasticState:
             except (RuntimeError, ValueError, KeyError) as e:
                 raise ValueError(f"cannot restore {name}: the saved state does not fit it "
                                  f"(different model shape or optimizer?): {e}") from None
+        self._load_plain(plain, rng)
+
+    def _load_plain(self, plain: Dict[str, Any], rng: Dict[str, Any]) -> None:
         for name in set(self._objs) & set(self._PLAIN_OBJECTS):
             if name in plain.get("_objects", {}):
                 self._objs[name].load_state_dict(copy.deepcopy(plain["_objects"][name]))
         self._attrs.update(copy.deepcopy(plain.get("attrs", {})))
+        if plain.get("datasets") is not None and self._sess.data is not None:
+            self._sess.data.restore_positions(plain["datasets"])  # Ray Data positions (ray_data.py)
         if rng:
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
@@ -305,12 +384,15 @@ class ElasticState:
         persist = bool(every and index % every == 0)
         # A stop was asked for (a resize, a drain): snapshot every commit from now on,
         # whole (see _holding), so the stop index is a restore point whoever leaves.
-        if index % self._snapshot_every and not persist and not sess.stop_requested:
+        # (Sharded state: every rank must take the same snapshots, their peer copies pair up.)
+        if index % self._snapshot_every and not persist and (self._sharded is not None or not sess.stop_requested):
             sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), None, persist=False)
             return
         plain = {"attrs": copy.deepcopy(self._attrs),
                  "_objects": {k: copy.deepcopy(o.state_dict()) for k, o in self._objs.items()
                               if k in self._PLAIN_OBJECTS}}
+        if sess.data is not None:  # the split datasets' positions ride with the snapshot
+            plain["datasets"] = sess.data.positions()
         snap = Snapshot(index=index, plain=plain,
                         rng={"torch": torch.get_rng_state(), "python": random.getstate()})
         old = STORE.recycle(sess.run_rel)
@@ -322,12 +404,22 @@ class ElasticState:
                 snap.complete.set()
             snap.done.set()
 
-        snap.holding = holding
-        snap.tensors, start = self._copier.copy(old.tensors if old is not None else None, finished, holding)
+        if self._sharded is not None:
+            def own_copied(error: Optional[BaseException]) -> None:
+                snap.error = error
+                if error is None:
+                    snap.complete.set()
+            start = self._sharded.copy(snap, old, own_copied)
+        else:
+            snap.holding = holding
+            snap.tensors, start = self._copier.copy(old.tensors if old is not None else None, finished, holding)
         snap.nbytes = nbytes(snap.tensors)
         STORE.add(sess.run_rel, snap)  # listed as complete only once finished()
         start()
-        writer = self._writer(snap) if persist and sess.spec.rank == 0 else None
+        if self._sharded is not None:  # every rank writes its own shard
+            writer = self._sharded.writer(snap, with_plain=sess.spec.rank == 0) if persist else None
+        else:
+            writer = self._writer(snap) if persist and sess.spec.rank == 0 else None
         sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), writer,
                              persist=persist)
 
