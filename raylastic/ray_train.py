@@ -64,7 +64,11 @@ class TorchTrainer:
             (gloo on CPU, NCCL on GPU).
         scaling_config: ``ray.train.ScalingConfig``; ``num_workers=n`` or ``(min, max)``.
         run_config: ``ray.train.RunConfig`` with its ``FailureConfig`` and ``CheckpointConfig``.
-        datasets, dataset_config: Ray Data input, not supported yet (``ConfigError``).
+        datasets: ``{name: ray.data.Dataset}``; ``ray.train.get_dataset_shard(name)`` in the
+            train function returns this rank's iterator. Split datasets keep a position
+            that survives resizes (docs/data.md, "Ray Data input").
+        dataset_config: ``ray.train.DataConfig``: ``datasets_to_split`` ("all" or names;
+            the others are given whole to every rank).
         validation_config, metadata: not supported (``ConfigError``).
         resume_from_checkpoint: a ``ray.train.Checkpoint`` that ``ray.train.get_checkpoint()``
             returns until the run has committed a checkpoint of its own.
@@ -81,7 +85,6 @@ class TorchTrainer:
             raise ConfigError(
                 f"train_loop_per_worker must be a callable taking (config) or (), got "
                 f"{type(train_loop_per_worker).__name__}. Fix: pass the function itself.")
-        _check_no_ray_data(datasets, dataset_config)
         if validation_config is not None:
             raise ConfigError(
                 "TorchTrainer(validation_config=...) is not supported by raylastic: it runs no "
@@ -103,26 +106,14 @@ class TorchTrainer:
         self.train_loop_config = train_loop_config
         self.translation = translation
         self._trainer = ElasticTrainer(func, train_loop_config=train_loop_config,
-                                       scaling_config=translation.scaling, run_config=translation.run)
+                                       scaling_config=translation.scaling, run_config=translation.run,
+                                       datasets=datasets, dataset_config=dataset_config)
 
     def fit(self) -> TorchTrainerResult:
         """Train; raise the error that ended training (as Ray Train's ``fit`` does):
         ``raylastic.TrainingFailedError``, ``InsufficientCapacityError``, ``TrainingAborted``."""
         result = self._trainer.fit()
         return ray_result(result, self.translation.run.storage_path, self.translation.run.name)
-
-
-def _check_no_ray_data(datasets: Optional[Dict[str, Any]], dataset_config: Any) -> None:
-    if not datasets and dataset_config is None:
-        return
-    what = f"datasets={sorted(datasets)!r}" if datasets else "dataset_config=..."
-    raise ConfigError(
-        f"TorchTrainer({what}): Ray Data input through datasets= / dataset_config= is not "
-        "supported by raylastic yet (a known gap: Ray Data's streaming split cannot resume its "
-        "position when the group is resized). Fix: build the data loader inside the train "
-        "function, e.g. torch.utils.data.DataLoader + ray.train.torch.prepare_data_loader, or "
-        "raylastic.data.ElasticDataLoader for exactly-once samples across resizes (README, "
-        "'Elastic data'); drop datasets= and dataset_config=.")
 
 
 def _check_checkpoint(ckpt: Any) -> None:

@@ -147,6 +147,10 @@ class Session:
         # raylastic.TorchTrainer(resume_from_checkpoint=...) sets it before the train
         # function starts. A committed checkpoint of the run always wins.
         self.initial_checkpoint: Optional[Checkpoint] = None
+        # Ray Data input (``raylastic.data.ray_data.DataShards``), set by the train
+        # function wrapper when the trainer got ``datasets=``; its positions ride with
+        # every checkpoint this rank reports and every ElasticState snapshot.
+        self.data: Any = None
 
     # -- called from the train thread -------------------------------------------------
     def report(self, metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
@@ -220,6 +224,8 @@ class Session:
                 self._append(record)
                 return
             staged = self.uploader.stage(local_dir, f"e{self.spec.epoch}-{record.index}-r{self.spec.rank}")
+        if self.data is not None:  # the split datasets' positions, next to the user's files
+            self.data.write_positions(staged)
         record.stage_s = time.perf_counter() - start
         record.checkpoint_rel = checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
         record.wait_s = self.uploader.submit(staged, record.checkpoint_rel, self._on_uploaded(record))
@@ -231,6 +237,13 @@ class Session:
         if self._upload_error is not None:
             err, self._upload_error = self._upload_error, None
             raise err
+
+    def get_dataset_shard(self, name: Optional[str] = None):
+        if self.data is None:
+            raise KeyError(
+                f"get_dataset_shard({name!r}): the trainer was given no datasets. Fix: pass "
+                "datasets={name: ray.data.Dataset} to TorchTrainer / ElasticTrainer.")
+        return self.data.get(name)
 
     def get_checkpoint(self) -> Optional[Checkpoint]:
         if self.restore.checkpoint_rel is None:
@@ -351,3 +364,10 @@ def get_checkpoint() -> Optional[Checkpoint]:
 
 def get_context() -> TrainContext:
     return _get_session().context
+
+
+def get_dataset_shard(name: Optional[str] = None):
+    """This rank's iterator over dataset ``name`` passed as ``datasets=`` to the trainer
+    (what ``ray.train.get_dataset_shard`` returns here too). Split datasets continue from
+    their restored position after a resize: docs/data.md, "Ray Data input"."""
+    return _get_session().get_dataset_shard(name)

@@ -55,7 +55,8 @@ class ElasticTrainer:
     """
 
     def __init__(self, train_func: Callable, *, train_loop_config: Optional[Dict[str, Any]] = None,
-                 scaling_config: Optional[ScalingConfig] = None, run_config: Optional[RunConfig] = None):
+                 scaling_config: Optional[ScalingConfig] = None, run_config: Optional[RunConfig] = None,
+                 datasets: Optional[Dict[str, Any]] = None, dataset_config: Any = None):
         if not callable(train_func):
             raise ConfigError(
                 f"train_func must be a callable taking (config) or (), got "
@@ -76,6 +77,12 @@ class ElasticTrainer:
                               f"(got {type(run_config).__module__}.{type(run_config).__name__}).")
         _check_picklable(train_func, "train_func")
         _check_picklable(train_loop_config, "train_loop_config")
+        self._datasets: Dict[str, Any] = {}
+        self._split: List[str] = []
+        if datasets or dataset_config is not None:
+            from raylastic.data.ray_data import validate_datasets  # imports Ray Data: only when used
+
+            self._datasets, self._split = validate_datasets(datasets, dataset_config)
         self._train_func = train_func
         self._config = train_loop_config
         self._scaling = scaling_config
@@ -115,8 +122,23 @@ class ElasticTrainer:
         controller_cls = ray.remote(Controller).options(
             num_cpus=0, max_concurrency=4, max_restarts=0, resources={HEAD_RESOURCE: 0.001},
         )
+        train_func, plan = self._train_func, None
+        if self._datasets:
+            from raylastic.data.ray_data import WithDatasets, resolve_datasets, start_coordinators
+
+            plan = start_coordinators(resolve_datasets(self._datasets), self._split, {HEAD_RESOURCE: 0.001})
+            train_func = WithDatasets(train_func, plan)
+        try:
+            return self._fit(storage, controller_cls, train_func, raise_on_error)
+        finally:
+            if plan is not None:
+                from raylastic.data.ray_data import stop_coordinators
+
+                stop_coordinators(plan)
+
+    def _fit(self, storage: Storage, controller_cls, train_func: Callable, raise_on_error: bool) -> Result:
         controller = controller_cls.remote(
-            self._train_func, self._config, self._scaling, self._run, storage, self._name, self._name,
+            train_func, self._config, self._scaling, self._run, storage, self._name, self._name,
         )
         run_ref = controller.run.remote()
         progress = ProgressLine(enabled=self._run.progress, total_steps=self._run.total_steps)

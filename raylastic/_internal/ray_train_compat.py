@@ -67,11 +67,8 @@ class RayTrainAdapter(TrainFnUtils):
         return []
 
     def get_dataset_shard(self, dataset_info):
-        raise NotImplementedError(
-            "ray.train.get_dataset_shard is not supported by ElasticTrainer: Ray Data's "
-            "streaming split cannot resume its position after a resize. Use "
-            "raylastic.data.ElasticDataLoader over a map-style dataset instead."
-        )
+        name = getattr(dataset_info, "dataset_name", dataset_info)
+        return self._sess.get_dataset_shard(name)
 
     def get_context(self) -> RayContext:
         return self._context

@@ -252,11 +252,13 @@ def test_torch_config_refused(tmp_path, torch_config, use_gpu, needles):
 
 
 @pytest.mark.parametrize("kw, needles", [
-    # A dataset factory (Ray Train accepts Callable[[], Dataset]); creating a Dataset here
-    # would start Ray.
-    ({"datasets": {"train": lambda: ray.data.range(8)}},
-     ["datasets=['train']", "not supported by raylastic yet", "ElasticDataLoader", "inside the train function"]),
-    ({"dataset_config": ray.train.DataConfig()}, ["dataset_config", "not supported by raylastic yet"]),
+    ({"datasets": [1, 2]}, ["datasets must be a dict", "datasets={'train': ds}"]),
+    ({"datasets": {"train": [1, 2]}}, ["datasets['train'] is a builtins.list", "ray.data.from_items"]),
+    # A dataset factory (Ray Train accepts Callable[[], Dataset]; it is called at fit()).
+    ({"datasets": {"train": lambda: None},
+      "dataset_config": ray.train.DataConfig(datasets_to_split=["train", "valid"])},
+     ["datasets_to_split=['train', 'valid']", "['valid']", "names: ['train']"]),
+    ({"dataset_config": object()}, ["dataset_config must be a ray.train.DataConfig"]),
     ({"validation_config": object()}, ["validation_config", "not supported"]),
     ({"metadata": {"a": 1}}, ["metadata", "train_loop_config"]),
     ({"scaling_config": raylastic.ScalingConfig(min_workers=2)},
