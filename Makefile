@@ -12,7 +12,7 @@ $(PY):
 
 $(STAMP): $(PY) requirements-dev.txt pyproject.toml
 	$(PIP) install -q -r requirements-dev.txt
-	$(PIP) install -q --no-build-isolation deepspeed==0.19.8
+	DS_BUILD_SHM_COMM=1 $(PIP) install -q --no-build-isolation --no-cache-dir deepspeed==0.19.8
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
