@@ -199,9 +199,21 @@ class DeepSpeedAdapter:
             "counters": {k: getattr(eng, k) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")
                          if hasattr(eng, k)},
             "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
-            "loss_scaler": {k: getattr(self.zero, k) for k in ("loss_scaler", "dynamic_loss_scale", "overflow")
-                            if hasattr(self.zero, k)},
+            "loss_scaler": self._loss_scaler_state(),
         }
+
+    def _loss_scaler_state(self) -> Dict[str, Any]:
+        """The loss scaler's numbers (not the object: a storage checkpoint's plain state is
+        loaded with ``weights_only=True``)."""
+        scaler = getattr(self.zero, "loss_scaler", None)
+        out: Dict[str, Any] = {k: getattr(self.zero, k) for k in ("dynamic_loss_scale", "overflow")
+                               if isinstance(getattr(self.zero, k, None), bool)}
+        if scaler is not None:
+            out["scaler"] = type(scaler).__name__
+            out["scaler_state"] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                                   for k, v in vars(scaler).items()
+                                   if isinstance(v, (bool, int, float, str, type(None), torch.Tensor))}
+        return out
 
     # -- restore -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -253,6 +265,11 @@ class DeepSpeedAdapter:
             if plain.get(k) != mine[k]:
                 raise ValueError(f"the state was taken with {what} {plain.get(k)}, this engine has {mine[k]} "
                                  "(a mixed-precision change)")
+        scaler = getattr(self.zero, "loss_scaler", None)
+        theirs = plain.get("loss_scaler", {}).get("scaler")
+        if scaler is not None and theirs is not None and theirs != type(scaler).__name__:
+            raise ValueError(f"the state was taken with loss scaler {theirs}, this engine has "
+                             f"{type(scaler).__name__} (a mixed-precision change)")
         if plain.get("optimizer") != mine["optimizer"]:
             raise ValueError(f"the state was taken with optimizer {plain.get('optimizer')}, this engine uses "
                              f"{mine['optimizer']}")
@@ -284,8 +301,14 @@ class DeepSpeedAdapter:
         sched = getattr(self.engine, "lr_scheduler", None)
         if plain.get("lr_scheduler") is not None and sched is not None:
             sched.load_state_dict(plain["lr_scheduler"])
-        for k, v in plain.get("loss_scaler", {}).items():
-            setattr(self.zero, k, v)
+        ls = plain.get("loss_scaler", {})
+        for k in ("dynamic_loss_scale", "overflow"):
+            if k in ls:
+                setattr(self.zero, k, ls[k])
+        scaler = getattr(self.zero, "loss_scaler", None)
+        if scaler is not None and ls.get("scaler") == type(scaler).__name__:
+            for k, v in ls.get("scaler_state", {}).items():
+                setattr(scaler, k, v)
         # the fp32 master weights -> the model's parameters (collective over the group)
         if _is_zero3(self.zero):
             for g in range(len(self.zero.fp16_groups)):
