@@ -1,0 +1,262 @@
+"""``ElasticState`` for sharded models (FSDP2, DeepSpeed ZeRO): snapshots of the rank's
+own shard plus peer copies, restored at any world size. See ``sharded.py`` for why.
+
+A sharded snapshot keeps its tensors as ``{"sharded": {s: [tensor, ...]}}``: one list per
+old rank ``s`` of the group that took it, in that rank's chunk order, with ``meta``
+placeholders for the shards this rank does not hold. That is the leaf layout the
+replicated snapshots use, so the worker's export/merge of shards (evacuation before a
+drain, rescuing a hung worker) and the controller's coverage checks need no new code.
+The layout (every old rank's chunks) and the adapter's plain state ride in
+``plain["sharded"]``.
+
+Memory per rank: a complete snapshot holds the rank's own shard and the shard(s) it
+backs up (``holdings.plan_stripes``: one other with the same number of workers per node,
+so 2x the own shard); two snapshots are kept (the newer is written while the older stays
+restorable), so at most 4x the own shard's state plus the re-partition's transfer buffers
+(one old shard's pieces) during a restore.
+
+Storage: every rank writes its own shard to ``sharded/rank_<r>.pt`` of a persisted
+checkpoint (the manifest commits it once every rank's part is uploaded, as for any
+multi-rank checkpoint); rank 0 also writes ``elastic_state.pt`` with the plain state and
+the layout. Loading at any world size memory-maps the files and reads the overlaps only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from raylastic._internal.sharded import (ROOT, Chunk, PeerExchange, _dtype, fill_from_files, holders_for,
+                                         layout_fingerprint, reshard_from_memory)
+from raylastic._internal.snapshot_copy import PendingCopy, plan_copy
+
+logger = logging.getLogger("raylastic")
+
+SHARD_DIR = "sharded"
+
+
+def shard_file(rank: int) -> str:
+    return f"{SHARD_DIR}/rank_{rank:05d}.pt"
+
+
+def _meta(c: Chunk) -> torch.Tensor:
+    return torch.empty(c.sizes, dtype=_dtype(c.dtype), device="meta")
+
+
+class ShardedSnapshots:
+    """The sharded half of one ``ElasticState``: one per train-function attempt."""
+
+    def __init__(self, adapter: Any, *, rank: int, world: int, stripe: Tuple[int, ...], timeout_s: float,
+                 overlap: bool):
+        self.adapter = adapter
+        self.rank, self.world = rank, world
+        self.overlap = overlap
+        self._pending: Optional[PendingCopy] = None
+        self.blocked_s = 0.0
+        self._group = None
+        self._exchange: Optional[PeerExchange] = None
+        self._layout: Optional[Dict[int, List[Chunk]]] = None
+        self._local_fp: Optional[str] = None
+        if dist.is_initialized() and world > 1:
+            # Its own gloo group: peer copies run in a background thread and the restore
+            # moves host tensors whatever the training backend is (NCCL moves CUDA only).
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, 10)))
+            mine = holders_for(world, stripe, rank)
+            everyone: List[Any] = [None] * world
+            dist.all_gather_object(everyone, mine, group=self._group)
+            self._exchange = PeerExchange(self._group, rank, everyone)
+        self.holds = holders_for(world, stripe, rank)
+
+    # -- the copy the next optimizer step waits for -------------------------------------------
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            t0 = time.perf_counter()
+            try:
+                pending.wait()
+            finally:
+                self.blocked_s += time.perf_counter() - t0
+
+    # -- restore -----------------------------------------------------------------------------
+    def restore_memory(self, snap: Optional[Any]) -> Dict[str, Any]:
+        """Collective: fill the live state from in-memory snapshot ``snap`` (None on a
+        rank holding none of it). Returns the snapshot's plain state. ValueError: it does
+        not fit (the same on every rank)."""
+        layout, held, plain = None, {}, None
+        if snap is not None:
+            if ROOT not in snap.plain:
+                raise ValueError("the snapshot holds replicated (DDP) state; this model is sharded")
+            layout = {int(s): [Chunk.of(t) for t in cs] for s, cs in snap.plain[ROOT]["layout"].items()}
+            tree = snap.tensors.get(ROOT, {})
+            held = {int(s): ts for s, ts in tree.items() if ts and not any(t.is_meta for t in ts)}
+            held.update({int(s): [] for s, ts in tree.items() if not ts})  # a shard with no pieces
+            plain = snap.plain
+        targets = self.adapter.restore_targets()
+        if self._group is None and not dist.is_initialized():
+            if not held or set(held) != set(layout or {}):
+                raise ValueError("this single process does not hold every shard of the snapshot")
+            fill_from_files(targets, {s: {"chunks": [c.as_tuple() for c in layout[s]], "tensors": held[s]} for s in held})
+        else:
+            group = self._group if self._group is not None else dist.group.WORLD
+            plain = reshard_from_memory(group, targets, layout, held, plain)
+        self.adapter.finish_restore(plain[ROOT]["adapter"])
+        return plain
+
+    def restore_storage(self, directory: str, blob: Dict[str, Any]) -> None:
+        """Fill the live state from a persisted sharded checkpoint in ``directory``."""
+        plain = blob["plain"]
+        if ROOT not in plain:
+            raise ValueError("the checkpoint holds replicated (DDP) state; this model is sharded")
+        layout = {int(s): cs for s, cs in plain[ROOT]["layout"].items()}
+        inline = blob.get("tensors", {}).get(ROOT)
+        files: Dict[int, Any] = {}
+        for s, cs in layout.items():
+            if inline and s in inline:
+                files[s] = {"chunks": cs, "tensors": inline[s]}
+                continue
+            path = os.path.join(directory, shard_file(s))
+            if not os.path.exists(path):
+                raise ValueError(f"the checkpoint lacks {shard_file(s)} (written by rank {s} of {len(layout)})")
+            files[s] = torch.load(path, weights_only=True, mmap=True)
+        fill_from_files(self.adapter.restore_targets(), files)
+        self.adapter.finish_restore(plain[ROOT]["adapter"])
+
+    # -- commit ------------------------------------------------------------------------------
+    def _gather_layout(self, chunks: List[Chunk]) -> Dict[int, List[Chunk]]:
+        fp = layout_fingerprint(chunks)
+        if self._layout is None or fp != self._local_fp:
+            # Every rank gets here at the same commit (SPMD: optimizer state appears on the
+            # same step everywhere); over the training group, from the training thread.
+            mine = [c.as_tuple() for c in chunks]
+            if dist.is_initialized() and self.world > 1:
+                everyone: List[Any] = [None] * self.world
+                dist.all_gather_object(everyone, mine)
+            else:
+                everyone = [mine]
+            self._layout = {s: [Chunk.of(t) for t in cs] for s, cs in enumerate(everyone)}
+            self._local_fp = fp
+        return self._layout
+
+    def copy(self, snap: Any, old: Optional[Any], on_own_copied: Callable[[Optional[BaseException]], None]
+             ) -> Callable[[], None]:
+        """Fill ``snap`` (tensors, plain layout, holding) with this commit's shard; returns
+        ``start()``. ``on_own_copied(error)`` runs when this rank's own shard is copied;
+        the peer copies follow in the exchange thread, which sets ``snap.done``."""
+        self.wait()
+        t0 = time.perf_counter()
+        live = self.adapter.live_chunks()
+        layout = self._gather_layout([c for c, _t in live])
+        old_tree = (old.tensors.get(ROOT, {}) if old is not None else {}) or {}
+        pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        own_old = old_tree.get(self.rank) or [None] * len(live)
+        own_old = own_old if len(own_old) == len(live) else [None] * len(live)
+        own = [plan_copy(d, t, lambda _t, c=c: self.overlap and not c.key.startswith("buffer/"), pending)
+               for (c, t), d in zip(live, own_old)]
+        tree: Dict[int, List[torch.Tensor]] = {}
+        for s in range(len(layout)):
+            tree[s] = own if s == self.rank else [_meta(c) for c in layout[s]]
+        snap.tensors = {ROOT: tree}
+        snap.plain[ROOT] = {"layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()},
+                            "adapter": self.adapter.plain(), "world": len(layout)}
+        snap.holding = (len(layout), (self.rank,))
+        self.blocked_s += time.perf_counter() - t0
+        incoming = self._recv_buffers(layout, old_tree)
+
+        exchanging = self._exchange is not None and bool(incoming or self._exchange.receivers())
+        if exchanging:
+            snap.pins += 1  # not recycled while its buffers are on the wire (pinned before it is complete)
+
+        def own_done(error: Optional[BaseException]) -> None:
+            if error is not None and exchanging:
+                snap.pins -= 1
+            on_own_copied(error)
+            if error is not None or not exchanging:
+                snap.done.set()
+                return
+            self._exchange.submit(lambda: self._exchange_job(snap, own, incoming, layout))
+
+        if not pending:
+            return lambda: own_done(None)
+        self._pending = PendingCopy(pending, own_done)
+        return self._pending.start
+
+    def _recv_buffers(self, layout: Dict[int, List[Chunk]], old_tree: Dict[int, Any]) -> Dict[int, List[torch.Tensor]]:
+        out: Dict[int, List[torch.Tensor]] = {}
+        if self._exchange is None:
+            return out
+        for s in self._exchange.sources():
+            prev = old_tree.get(s) or []
+            bufs = []
+            for j, c in enumerate(layout[s]):
+                p = prev[j] if j < len(prev) else None
+                if (isinstance(p, torch.Tensor) and not p.is_meta and tuple(p.shape) == c.sizes
+                        and str(p.dtype) == c.dtype):
+                    bufs.append(p)
+                else:
+                    bufs.append(torch.empty(c.sizes, dtype=_dtype(c.dtype)))
+            out[s] = bufs
+        return out
+
+    def _exchange_job(self, snap: Any, own: List[torch.Tensor], incoming: Dict[int, List[torch.Tensor]],
+                      layout: Dict[int, List[Chunk]]) -> None:
+        from raylastic.state import STORE
+        try:
+            self._exchange.exchange(own, incoming)
+            starts, pos = {}, 0
+            for s in range(len(layout)):
+                starts[s] = pos
+                pos += len(layout[s])
+            leaves = {starts[s] + j: t for s, ts in incoming.items() for j, t in enumerate(ts)}
+            if incoming:
+                self._merge(STORE, snap, leaves)
+        except Exception as e:  # noqa: BLE001 - the snapshot keeps only the own shard
+            logger.warning("snapshot %s: peer copy failed (%s); it holds only rank %s's own shard",
+                           snap.index, e, self.rank)
+        finally:
+            snap.pins -= 1
+            snap.done.set()
+
+    def _merge(self, store: Any, snap: Any, leaves: Dict[int, torch.Tensor]) -> None:
+        from raylastic._internal.stripes import map_leaves
+        with store._lock:  # the same lock the worker's export/merge take
+            snap.tensors = map_leaves(snap.tensors, lambda j, t: leaves[j] if t.is_meta and j in leaves else t)
+            snap.holding = (snap.holding[0], tuple(sorted(set(snap.holding[1]) | set(self.holds))))
+
+    def writer(self, snap: Any, with_plain: bool) -> Callable[[str], None]:
+        """Writes this rank's own shard of ``snap`` (rank 0: and the plain state)."""
+        snap.pins += 1
+
+        def write(directory: str) -> None:
+            try:
+                snap.done.wait()
+                if snap.error is not None:
+                    raise RuntimeError(f"snapshot {snap.index} was not copied: {snap.error}")
+                layout = snap.plain[ROOT]["layout"]
+                os.makedirs(os.path.join(directory, SHARD_DIR), exist_ok=True)
+                torch.save({"chunks": layout[self.rank], "tensors": snap.tensors[ROOT][self.rank]},
+                           os.path.join(directory, shard_file(self.rank)))
+                if with_plain:
+                    from raylastic.state import STATE_FILE
+                    torch.save({"plain": snap.plain, "tensors": {}}, os.path.join(directory, STATE_FILE))
+            finally:
+                snap.pins -= 1
+
+        return write
+
+    def close(self) -> None:
+        if self._exchange is not None:
+            self._exchange.close()
+
+
+def own_shard_bytes(snap: Any, rank: int) -> int:
+    tree = snap.tensors.get(ROOT, {})
+    return sum(t.numel() * t.element_size() for t in tree.get(rank, []) if not t.is_meta)
+
+
+__all__ = ["ShardedSnapshots", "SHARD_DIR", "shard_file", "own_shard_bytes"]

@@ -1,0 +1,109 @@
+"""Train functions for sharded models (FSDP2, DeepSpeed ZeRO) under ``ElasticState``,
+used by the sharded-resize tests, ``examples/sharded_fsdp2.py`` and
+``benchmarks/sharded_recovery.py``.
+
+Both keep the math of a fixed-size run across resizes: ``ElasticDataLoader`` with the
+``fixed`` global batch, each micro-batch's mean loss scaled by ``m * W / G`` (FSDP2 and
+ZeRO average gradients over ranks, as DDP does), and one ``state.commit()`` per step.
+Every rank appends the sample indices it trained per step to
+``index_log_dir/rank-<membership epoch>-<rank>.jsonl`` (the exactly-once check), and the
+final full weights go to ``weights_out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+import raylastic
+
+
+def _dataset(config: Dict[str, Any]) -> torch.utils.data.TensorDataset:
+    n, d_in = int(config.get("n", 600)), int(config.get("d_in", 16))
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, d_in, generator=g)
+    y = (x[:, :4].sum(dim=1, keepdim=True) > 0).float()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def mlp(config: Dict[str, Any]) -> nn.Sequential:
+    """Linear layers of ``hidden`` units (``layers`` of them): 16 -> hidden ... -> 1.
+    ``hidden`` 33 by default: shards of uneven sizes at 2 and 3 ranks."""
+    torch.manual_seed(int(config.get("seed", 0)))
+    d_in, hidden, layers = int(config.get("d_in", 16)), int(config.get("hidden", 33)), int(config.get("layers", 2))
+    mods: list = []
+    width = d_in
+    for _ in range(layers):
+        mods += [nn.Linear(width, hidden), nn.Tanh()]
+        width = hidden
+    mods.append(nn.Linear(width, 1))
+    return nn.Sequential(*mods)
+
+
+def _log(config: Dict[str, Any], ctx) -> Optional[Any]:
+    log_dir = config.get("index_log_dir")
+    if not log_dir:
+        return None
+    return open(os.path.join(log_dir, f"rank-{ctx.get_membership_epoch()}-{ctx.get_world_rank()}.jsonl"), "a")
+
+
+def _write_row(log, ctx, batch) -> None:
+    if log is not None:
+        log.write(json.dumps({"m_epoch": ctx.get_membership_epoch(), "rank": ctx.get_world_rank(),
+                              "world": ctx.get_world_size(), "epoch": batch.epoch, "step": batch.step,
+                              "indices": list(map(int, batch.indices))}) + "\n")
+        log.flush()
+
+
+def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
+    """FSDP2 (``fully_shard`` per Linear and at the root) + Adam, state in ``ElasticState``.
+
+    config: n, global_batch (48), micro_batch (16), epochs, lr (0.01), hidden, layers,
+    seed, step_sleep_s, persist_every, index_log_dir, weights_out."""
+    from torch.distributed.fsdp import fully_shard
+
+    from raylastic.data import ElasticDataLoader
+
+    ctx = raylastic.get_context()
+    model = mlp(config)
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=float(config.get("lr", 0.01)))
+    seed = int(config.get("seed", 0))
+    loader = ElasticDataLoader(_dataset(config), global_batch_size=int(config.get("global_batch", 48)),
+                               micro_batch_size=int(config.get("micro_batch", 16)), shuffle=True, seed=seed)
+    state = raylastic.ElasticState(model=model, optimizer=opt, loader=loader, step=0,
+                                   persist_every=config.get("persist_every"))
+    log = _log(config, ctx)
+    epochs = int(config.get("epochs", 4))
+    while loader.epoch < epochs:
+        for batch in loader:
+            for (xb, yb), weight in batch.accumulate(model):
+                (nn.functional.binary_cross_entropy_with_logits(model(xb), yb) * weight).backward()
+            opt.step()
+            opt.zero_grad()
+            _write_row(log, ctx, batch)
+            if config.get("step_sleep_s"):
+                time.sleep(float(config["step_sleep_s"]))
+            state.step += 1
+            metrics = {"epoch": batch.epoch, "step": batch.step, "world_size": ctx.get_world_size(),
+                       "restored_from": state.restored_from}
+            if config.get("trace_weights"):  # a checksum of the full weights after each step
+                metrics["wsum"] = float(sum(v.full_tensor().double().abs().sum() for v in model.state_dict().values()))
+            state.commit(metrics)
+    if log is not None:
+        log.close()
+    full = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    if ctx.get_world_rank() == 0 and config.get("weights_out"):
+        torch.save(full, config["weights_out"])
+    return {"snapshot_bytes": state.snapshot_bytes()}
+
+
+__all__ = ["fsdp2_mlp", "mlp"]

