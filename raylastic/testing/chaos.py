@@ -221,6 +221,16 @@ def read_jsonl(path: str) -> List[Dict[str, Any]]:
         return [json.loads(line) for line in fh if line.endswith("\n")]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 class GroupView:
     """The training group as the train functions log it (``members.jsonl``, ``steps.jsonl``)."""
 
@@ -230,9 +240,10 @@ class GroupView:
     def steps(self) -> List[Dict[str, Any]]:
         return read_jsonl(os.path.join(self.log_dir, "steps.jsonl"))
 
-    def training_group(self, min_world: int = 1) -> Optional[List[Dict[str, Any]]]:
+    def training_group(self, min_world: int = 1, recent_s: float = 5.0) -> Optional[List[Dict[str, Any]]]:
         """The members (sorted by rank) of the newest group whose ranks have all started and
-        whose rank 0 has completed a step, if it has at least ``min_world`` ranks."""
+        whose rank 0 completed a step in the last ``recent_s`` seconds, if it has at least
+        ``min_world`` ranks."""
         members = read_jsonl(os.path.join(self.log_dir, "members.jsonl"))
         if not members:
             return None
@@ -240,7 +251,12 @@ class GroupView:
         rows = sorted((m for m in members if m["group"] == newest), key=lambda m: m["rank"])
         if len(rows) < rows[0]["world"] or rows[0]["world"] < min_world:
             return None
-        if not any(s["group"] == newest for s in self.steps()[-50:]):
+        steps = self.steps()
+        # training: rank 0 of this group logged the newest step, recently, and every member
+        # process is alive (a group a framework gave up on keeps its lines)
+        if not steps or steps[-1]["group"] != newest or time.time() - steps[-1]["t"] > recent_s:
+            return None
+        if not all(_alive(m["pid"]) for m in rows):
             return None
         return rows
 
@@ -280,7 +296,8 @@ class ChaosInjector:
     ``storage``: the object-store server (``stop()``/``start()``, e.g.
     :class:`raylastic.testing.seaweedfs.SeaweedS3`) for ``stop_storage``; ``checkpoint_every``:
     the step cadence of storage checkpoints, for ``kill_during_upload``; ``group_timeout_s``:
-    how long a fault waits for a training group before it is skipped (``strict``: raises);
+    how long a fault waits for a training group; ``strict=False`` records a fault that
+    could not be applied (no training group in time, ...) as skipped instead of raising;
     ``upload_probe(step)``: True while the checkpoint of ``step`` is being uploaded (e.g.
     :func:`raylastic_upload_probe`); without one, ``kill_during_upload`` kills as soon as
     rank 0 logs the step (a framework that uploads inside ``report()``, like Ray Train).
@@ -324,10 +341,10 @@ class ChaosInjector:
             rec = Applied(fault, started_at_s=time.time() - self.t0)
             try:
                 self._apply(fault, rec)
-            except TimeoutError as exc:
+            except Exception as exc:  # noqa: BLE001 - strict: raise; else recorded as skipped
                 if self.strict:
                     raise
-                rec.skipped = str(exc)
+                rec.skipped = f"{type(exc).__name__}: {exc}"
             rec.done_at_s = time.time() - self.t0
             self.applied.append(rec)
             if self.on_fault:
@@ -414,8 +431,11 @@ class ChaosInjector:
         rec.nodes = [v["node_id"] for v in victims]
         rec.pids = [v["pid"] for v in victims]
         if kind is FaultKind.KILL_WORKER:
-            os.kill(victims[0]["pid"], signal.SIGKILL)
             rec.nodes = []
+            try:
+                os.kill(victims[0]["pid"], signal.SIGKILL)
+            except ProcessLookupError:  # the group failed between the check and now
+                rec.note = "the process was already gone"
         elif kind is FaultKind.DRAIN_NODE:
             from ray._raylet import GcsClient
             from ray.core.generated import autoscaler_pb2
