@@ -143,7 +143,8 @@ class DeepSpeedAdapter:
                     name = self._name(p)
                     for k in [None] + keys:
                         t = self._zero3_view(p, k).narrow(0, 0, n)
-                        out.append((Chunk(f"zero/{name}/{k or 'fp32'}", (p.ds_numel,), (start,), (n,), str(t.dtype)), t))
+                        key = f"zero/{name}/{k or 'fp32'}"
+                        out.append((Chunk(key, (p.ds_numel,), (start,), (n,), str(t.dtype)), t))
             return out
         for lps in self._lp_groups:
             for p in lps:

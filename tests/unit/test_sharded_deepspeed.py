@@ -58,6 +58,9 @@ def _engine(variant: str, world: int, hidden: int = 16):
         zero["stage3_param_persistence_threshold"] = persist
     cfg = {"train_micro_batch_size_per_gpu": G // world, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01, "torch_adam": True}},
+           # the learning rate changes every step: a restore must resume the schedule too
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
+                                                        "warmup_num_steps": 12}},
            "zero_optimization": zero, "bf16": {"enabled": bf16}, "steps_per_print": 10 ** 9}
     engine, *_ = deepspeed.initialize(model=_model(hidden), config=cfg)
     return engine
@@ -184,6 +187,7 @@ def _elastic_run(rank: int, ports: tuple, out: str) -> None:
         _restore(engine, [f["snap"] for f in fixed[variant]])
         res[variant]["exact23"] = _rel(fixed[variant][0]["master3"], _full(engine))
         res[variant]["propagated23"] = _propagated(engine)
+        res[variant]["steps23"] = (engine.global_steps, engine.lr_scheduler.last_batch_iteration)
         for step in range(3, 6):
             _train(engine, step, rank, 3)
         masters6[variant] = _full(engine)
@@ -205,6 +209,7 @@ def _elastic_run(rank: int, ports: tuple, out: str) -> None:
             _reshard(engine, snaps3[variant], held=[rank] + ([2] if rank == 0 else []))
             res[variant]["exact32"] = _rel(masters6[variant], _full(engine))
             res[variant]["propagated32"] = _propagated(engine)
+            res[variant]["steps32"] = (engine.global_steps, engine.lr_scheduler.last_batch_iteration)
             for step in range(6, 9):
                 _train(engine, step, rank, 2)
             res[variant]["diff9"] = _rel(fixed[variant][0]["ref9"], _full(engine))
@@ -270,9 +275,9 @@ def test_zero_state_resumes_at_another_world_size(results, variant):
           f"max relative weight difference vs the fixed run 2->3: {r['diff6']:.2e}, 3->2: {r['diff9']:.2e}")
     for rank in range(3):
         mine = results[rank][variant]
-        assert mine["exact23"] == 0.0 and mine["propagated23"], (rank, mine)
+        assert mine["exact23"] == 0.0 and mine["propagated23"] and mine["steps23"] == (3, 2), (rank, mine)
         if rank < 2:
-            assert mine["exact32"] == 0.0 and mine["propagated32"], (rank, mine)
+            assert mine["exact32"] == 0.0 and mine["propagated32"] and mine["steps32"] == (6, 5), (rank, mine)
     if not VARIANTS[variant][1]:  # fp32: the same trajectory as the fixed-size run
         assert r["diff6"] <= TOL, f"{variant} restored 2 -> 3 differs from the fixed run by {r['diff6']:.2e}"
         assert r["diff9"] <= TOL, f"{variant} restored 3 -> 2 differs from the fixed run by {r['diff9']:.2e}"
