@@ -155,6 +155,13 @@ def _wait(pred, timeout_s: float, what: str):
         time.sleep(0.1)
 
 
+def _ended(run_ref) -> None:
+    """Raise at once if the run ended (or its controller died) while we wait on it."""
+    if ray.wait([run_ref], timeout=0)[0]:
+        outcome = ray.get(run_ref)  # a dead controller raises here
+        raise RuntimeError(f"the run ended early: {outcome.get('error')!r}")
+
+
 def _events(run_dir: str, kind: str, **match: Any) -> List[Dict[str, Any]]:
     return [e for e in load_events(run_dir) if e.get("kind") == kind
             and all(e.get(k) == v for k, v in match.items())]
@@ -210,7 +217,8 @@ def measure(n: int, *, window_s: float, step_s: float, poll_interval_s: float,
         ctrl = cls.remote(cheap_train, {"step_s": step_s, "checkpoint_every": checkpoint_every}, scaling, run, storage, name, name, max_polls_per_s)
         run_ref = ctrl.run.remote()
         try:
-            _wait(lambda: _events(run_dir, "first_step", world_size=n), timeout_s, f"a group of {n} training")
+            _wait(lambda: _ended(run_ref) or _events(run_dir, "first_step", world_size=n), timeout_s,
+                  f"a group of {n} training")
             formed = _events(run_dir, "group_formed", world_size=n)[0]
             out["start_to_group_formed_s"] = round(formed["ts"] - t_start, 2)
             time.sleep(min(5.0, window_s / 4))  # first polls after the start settle
@@ -241,7 +249,7 @@ def measure(n: int, *, window_s: float, step_s: float, poll_interval_s: float,
                 "worker_processes_cpu_cores": round((w1 - w0) / wall, 2),
             }
             if loss:
-                out["loss"] = _node_loss(cluster, run_dir, ctrl, n, timeout_s)
+                out["loss"] = _node_loss(cluster, run_dir, ctrl, run_ref, n, timeout_s)
         finally:
             ctrl.request_stop.remote()
             try:
@@ -253,13 +261,14 @@ def measure(n: int, *, window_s: float, step_s: float, poll_interval_s: float,
     return out
 
 
-def _node_loss(cluster: LocalCluster, run_dir: str, ctrl, n: int, timeout_s: float) -> Dict[str, Any]:
+def _node_loss(cluster: LocalCluster, run_dir: str, ctrl, run_ref, n: int, timeout_s: float) -> Dict[str, Any]:
     """Kill one node (N/4 workers) without notice; time the controller's reaction."""
     left = n - n // NUM_NODES
     bytes0 = _log_bytes(run_dir)
     t_kill = time.time()
     cluster.remove_node(cluster.worker_nodes[-1])
-    first = _wait(lambda: [e for e in _events(run_dir, "first_step", world_size=left) if e["ts"] > t_kill],
+    first = _wait(lambda: _ended(run_ref) or [e for e in _events(run_dir, "first_step", world_size=left)
+                                              if e["ts"] > t_kill],
                   timeout_s, f"the first report of the re-formed group of {left}")[0]
 
     def after(kind: str) -> Optional[float]:

@@ -151,6 +151,10 @@ class FakeGroup:
             batch.results[m.wid] = self._advance(w)
         return batch
 
+    def watch(self, members: Sequence[WorkerHandle]) -> PollBatch:
+        """The running group's poll (the real one polls a subset on most ticks)."""
+        return self.poll(members)
+
     def _advance(self, w: FakeWorker) -> PollResult:
         """One report of a running worker (the simulated train function)."""
         records, error = [], None

@@ -300,7 +300,7 @@ class Controller:
 
     # -- Running -------------------------------------------------------------------
     def _step_running(self, st: Running) -> State:
-        batch = self._group.poll(st.members)
+        batch = self._group.watch(st.members)
         self._ingest.ingest(st.progress, st.members, batch.results)
         failures = rank_errors(st.members, batch.results, st.epoch)
         for wid, r in batch.results.items():

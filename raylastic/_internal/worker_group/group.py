@@ -52,6 +52,15 @@ GROUP_TIMEOUT_S = 60.0
 SLICE_S = 0.25
 # How often to ask the GCS which nodes are draining (preemption notices).
 DRAIN_CHECK_INTERVAL_S = 0.5
+# A running group is watched, not polled whole every tick (``watch``): each tick polls
+# rank 0 (metrics, step time), any member whose train thread ended or whose actor died,
+# and every member at least every max(poll interval, members / MAX_POLLS_PER_S) seconds.
+# A poll costs the controller ~0.5 ms of CPU per worker here (benchmarks/control_plane.py),
+# so 200 polls a second is ~10% of a core at any group size; up to 20 workers every member
+# is still polled every 0.1 s tick.
+MAX_POLLS_PER_S = 200.0
+# How long one watch call (``TrainWorker.join``) waits before it is renewed.
+WATCH_CALL_S = 30.0
 
 
 class Interrupted(Exception):
@@ -122,6 +131,9 @@ class WorkerGroup:
         self._unavailable_since: Dict[int, float] = {}
         self.draining: Dict[str, int] = {}  # node id -> drain deadline (ms since epoch; 0: none)
         self._draining_checked_at = 0.0
+        self.max_polls_per_s = MAX_POLLS_PER_S
+        self._watch_refs: Dict[int, Any] = {}  # wid -> its pending watch call (join)
+        self._full_poll_at = float("-inf")
 
     @classmethod
     def for_run(cls, scaling: ScalingConfig, run: RunConfig, storage, run_rel: str, run_name: str) -> "WorkerGroup":
@@ -160,6 +172,7 @@ class WorkerGroup:
     def remove(self, h: WorkerHandle) -> None:
         """Kill a worker's actor and forget it; ``fill`` asks for a new one (unless its
         node type's target was lowered)."""
+        self._watch_refs.pop(h.wid, None)
         self.pool.remove(h, kill=True)
 
     def shutdown(self) -> None:
@@ -228,6 +241,8 @@ class WorkerGroup:
         for r, m in enumerate(members):
             m.prev_rank = r
         self._unavailable_since.clear()
+        self._watch_refs.clear()  # calls on the last epoch's threads: answered or moot
+        self._full_poll_at = float("-inf")
         return Formed(members, specs)
 
     def start(self, formed: Formed, train_func: Callable, config: Optional[Dict[str, Any]],
@@ -274,6 +289,46 @@ class WorkerGroup:
         for ref in not_done:
             self._count_silence(refs[ref], now, batch)
         return batch
+
+    def full_poll_interval_s(self, n: int) -> float:
+        """How often ``watch`` polls every one of ``n`` members."""
+        return max(self._poll_interval_s, n / self.max_polls_per_s)
+
+    def watch(self, members: Sequence[WorkerHandle]) -> PollBatch:
+        """The running group's poll, at a cost that does not grow with every tick:
+        rank 0 (``members[0]``) every call; a member whose train thread ended (finished,
+        raised) or whose actor died, at once; every member at least every
+        ``full_poll_interval_s``. Ended threads and dead actors are seen through one
+        pending ``join`` call per member (Ray fails it the moment the actor dies), so a
+        loss or an error is seen as fast as by polling everyone, and a large group costs
+        one ``ray.wait`` per tick instead of a call per member. What waits for the full
+        poll: the other ranks' reports (a checkpoint commits once all are in) and their
+        snapshot holdings."""
+        if self.full_poll_interval_s(len(members)) <= self._poll_interval_s:
+            return self.poll(members)  # a small group: everyone every tick, as before
+        for m in members:
+            if m.wid not in self._watch_refs:
+                try:
+                    self._watch_refs[m.wid] = m.actor.join.remote(WATCH_CALL_S)
+                except Exception:  # noqa: BLE001 - an actor already gone: the poll says so
+                    pass
+        refs = {self._watch_refs[m.wid]: m for m in members if m.wid in self._watch_refs}
+        ended, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        urgent = set()
+        for ref in ended:
+            m = refs[ref]
+            del self._watch_refs[m.wid]
+            try:
+                if not ray.get(ref):
+                    continue  # the call timed out with the thread still running: renewed next tick
+            except Exception:  # noqa: BLE001 - died or unavailable: the poll classifies it
+                pass
+            urgent.add(m.wid)
+        now = time.monotonic()
+        if now - self._full_poll_at >= self.full_poll_interval_s(len(members)):
+            self._full_poll_at = now
+            return self.poll(members)
+        return self.poll([m for i, m in enumerate(members) if i == 0 or m.wid in urgent])
 
     def _count_silence(self, m: WorkerHandle, now: float, batch: PollBatch) -> None:
         since = self._unavailable_since.setdefault(m.wid, now)
