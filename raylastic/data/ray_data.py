@@ -160,8 +160,8 @@ class _EpochStream:
         except StopIteration:
             self.ended = True
             return
-        for ref, meta in bundle.blocks:
-            rows = meta.num_rows
+        for entry in bundle.blocks:
+            ref, rows = entry.ref, entry.metadata.num_rows
             if rows is None:  # pragma: no cover - Ray sets it for every block it produces
                 import ray
                 from ray.data.block import BlockAccessor
@@ -187,8 +187,11 @@ class SplitCoordinator:
     def __init__(self, dataset, name: str):
         ctx = dataset.context
         ctx.execution_options.preserve_order = True
+        from ray.data.dataset import MaterializedDataset
+
         self._ds = dataset
         self._name = name
+        self._materialized = isinstance(dataset, MaterializedDataset)
         self._lock = threading.Lock()
         self._streams: Dict[int, _EpochStream] = {}
         self._fronts: Dict[Tuple[int, int], Dict[int, int]] = {}  # (epoch, group) -> rank -> row
@@ -212,13 +215,10 @@ class SplitCoordinator:
             while not out and not stream.ended:
                 stream.pull()
                 out = [e for e in stream.entries if e[0] + e[1] > from_row][:max_blocks]
-            # Read ahead while blocks are ready, so the next call rarely waits.
-            while len(out) < max_blocks and not stream.ended and len(stream.entries) < 2 * max_blocks:
-                before = len(stream.entries)
+            # A materialized dataset's blocks are all there: hand out a full batch of them.
+            while self._materialized and len(out) < max_blocks and not stream.ended:
                 stream.pull()
                 out = [e for e in stream.entries if e[0] + e[1] > from_row][:max_blocks]
-                if len(stream.entries) == before:
-                    break
             ended = stream.ended and (not out or out[-1] is stream.entries[-1])
             return out, ended, stream.next_row if ended else None
 
@@ -339,6 +339,11 @@ class DataShards:
                 "or use one of those names.")
         self._iters[name] = it
         return it
+
+    def close(self) -> None:
+        for it in self._iters.values():
+            if isinstance(it, ElasticDataIterator):
+                it.close()
 
     def group(self) -> Tuple[int, int, int]:
         spec = self._sess.spec
@@ -497,6 +502,10 @@ class ElasticDataIterator(_data_iterator_base()):
             self._ctx = DataContext.get_current()
         return self._ctx
 
+    def close(self) -> None:
+        if self._pass is not None:
+            self._pass.close()
+
     def position(self) -> DataPosition:
         """This dataset's position now (epoch, rows consumed in whole global batches)."""
         return DataPosition.from_dict(self._shards.positions()[self._name])
@@ -564,7 +573,14 @@ class ElasticDataIterator(_data_iterator_base()):
         p = self._pass = _Pass(self._coord, self._shards.group(), start, batch_size, drop_last, m, fmt, depth)
         try:
             while True:
-                item = p.q.get()
+                try:
+                    item = p.q.get(timeout=0.5)
+                except queue.Empty:
+                    if p.stop.is_set() and not p.thread.is_alive():
+                        raise RuntimeError(
+                            f"this pass over {self._name!r} was closed: a newer iter_* call on "
+                            "the same dataset started (one pass at a time per dataset)") from None
+                    continue
                 if item is _Pass._END:
                     return
                 if isinstance(item, BaseException):
@@ -592,8 +608,11 @@ class WithDatasets:
         from raylastic._internal.worker_group.worker import _call
 
         sess = _session._get_session()
-        sess.data = DataShards(self.plan, sess)
-        return _call(self.func, config)
+        sess.data = shards = DataShards(self.plan, sess)
+        try:
+            return _call(self.func, config)
+        finally:
+            shards.close()  # a pass left open by an unwound attempt stops reading
 
 
 def resolve_datasets(datasets: Dict[str, Any]) -> Dict[str, Any]:
