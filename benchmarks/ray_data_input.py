@@ -86,15 +86,9 @@ def _history(log_dir: str) -> List[Dict[str, Any]]:
     """The steps the final model's history kept: each attempt's steps before the first
     step of the next attempt (which resumed from a checkpoint)."""
     lines = [json.loads(l) for f in glob.glob(os.path.join(log_dir, "*.jsonl")) for l in open(f)]
-    tokens = sorted({r["token"] for r in lines})
+    tokens = sorted({r["token"] for r in lines}, key=lambda t: float(t.split("-")[0]))
     first = {t: min(r["step"] for r in lines if r["token"] == t) for t in tokens}
-    # Ranks of one attempt started within a second of each other: group tokens by attempt.
-    attempts: List[List[str]] = []
-    for t in tokens:
-        if attempts and float(t.split("-")[0]) - float(attempts[-1][0].split("-")[0]) < 5:
-            attempts[-1].append(t)
-        else:
-            attempts.append([t])
+    attempts: List[List[str]] = [[t] for t in tokens]  # one token per attempt (rank 0's)
     kept = []
     for i, group in enumerate(attempts):
         until = min(first[t] for t in attempts[i + 1]) if i + 1 < len(attempts) else float("inf")

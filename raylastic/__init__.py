@@ -25,6 +25,7 @@ _EXPORTS = {
     "TrainingFailedError": "raylastic.errors",
     "get_checkpoint": "raylastic.session",
     "get_context": "raylastic.session",
+    "get_dataset_shard": "raylastic.session",
     "report": "raylastic.session",
     "ElasticTrainer": "raylastic.trainer",
     "ElasticState": "raylastic.state",

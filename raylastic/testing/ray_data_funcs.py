@@ -92,8 +92,11 @@ def ids_neutral(config: Dict[str, Any]) -> None:
     import uuid
 
     ctx = ray.train.get_context()
-    token = f"{time.time():.6f}-{uuid.uuid4().hex[:6]}"
     model = ray.train.torch.prepare_model(torch.nn.Linear(1, 1))
+    # One token per attempt: rank 0's, sent to every rank (attempts sort by its start time).
+    box = [f"{time.time():.6f}-{uuid.uuid4().hex[:6]}"]
+    torch.distributed.broadcast_object_list(box, src=0)
+    token = box[0]
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     epoch, step = 0, 0
     ckpt = ray.train.get_checkpoint()

@@ -5,7 +5,8 @@ import raylastic
 EXPECTED = [
     "Checkpoint", "CheckpointConfig", "ConfigError", "ElasticState", "ElasticTrainer", "FailureConfig",
     "InsufficientCapacityError", "RaylasticError", "Result", "RunConfig", "ScalingConfig",
-    "TorchTrainer", "TrainingAborted", "TrainingFailedError", "data", "get_checkpoint", "get_context", "report",
+    "TorchTrainer", "TrainingAborted", "TrainingFailedError", "data", "get_checkpoint", "get_context",
+    "get_dataset_shard", "report",
 ]
 
 
