@@ -222,8 +222,7 @@ class ElasticState:
             self._objs.pop("optimizer", None)
             object.__setattr__(self, "_copier", StateCopier(None, None, overlap=False))
             if self._sharded.overlap:
-                optimizer = optimizer if engine is None else engine.optimizer
-                optimizer.register_step_pre_hook(lambda _o, _a, _k: self._sharded.wait())
+                self._sharded.adapter.optimizer.register_step_pre_hook(lambda _o, _a, _k: self._sharded.wait())
         else:
             object.__setattr__(self, "_copier", StateCopier(model, optimizer, overlap=async_snapshot))
         self._restore()
@@ -247,14 +246,14 @@ class ElasticState:
         if engine is not None:
             from raylastic._internal.sharded_deepspeed import DeepSpeedAdapter
             adapter = DeepSpeedAdapter(engine)
-            optimizer = getattr(engine, "optimizer", None)
+            optimizer = adapter.optimizer  # the torch optimizer inside ZeRO's (it has step hooks)
         elif _sharded_mod.uses_dtensors(model):
             adapter = _sharded_mod.FSDP2Adapter(model, optimizer)
         else:
             return None
         from raylastic._internal.sharded_state import ShardedSnapshots
         spec = self._sess.spec
-        return ShardedSnapshots(adapter, rank=spec.rank, world=spec.world_size, stripe=tuple(spec.stripe),
+        return ShardedSnapshots(adapter, store=STORE, state_file=STATE_FILE, rank=spec.rank, world=spec.world_size, stripe=tuple(spec.stripe),
                                 timeout_s=spec.timeout_s, overlap=bool(overlap and optimizer is not None
                                                                       and hasattr(optimizer, "register_step_pre_hook")))
 
@@ -452,6 +451,14 @@ class ElasticState:
     def snapshot_bytes(self) -> int:
         """Host memory held by this process's snapshots."""
         return STORE.nbytes()
+
+    def shard_bytes(self) -> Optional[int]:
+        """Sharded models (FSDP2, ZeRO): bytes of this rank's own shard of the state (what
+        one snapshot copies; ``docs/sharded.md`` bounds the snapshots' memory by it).
+        None for replicated models."""
+        if self._sharded is None:
+            return None
+        return sum(t.numel() * t.element_size() for _c, t in self._sharded.adapter.live_chunks())
 
 
 __all__ = ["ElasticState", "SnapshotStore", "STORE", "STATE_FILE", "restore_from_memory_possible"]

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from raylastic._internal.sharded import (ROOT, Chunk, PeerExchange, _dtype, fill_from_files, holders_for,
                                          layout_fingerprint, reshard_from_memory)
-from raylastic._internal.snapshot_copy import PendingCopy, plan_copy
+from raylastic._internal.snapshot_copy import PendingCopy, nbytes, plan_copy
 
 logger = logging.getLogger("raylastic")
 
@@ -52,9 +52,10 @@ def _meta(c: Chunk) -> torch.Tensor:
 class ShardedSnapshots:
     """The sharded half of one ``ElasticState``: one per train-function attempt."""
 
-    def __init__(self, adapter: Any, *, rank: int, world: int, stripe: Tuple[int, ...], timeout_s: float,
-                 overlap: bool):
+    def __init__(self, adapter: Any, *, store: Any, state_file: str, rank: int, world: int,
+                 stripe: Tuple[int, ...], timeout_s: float, overlap: bool):
         self.adapter = adapter
+        self._store, self._state_file = store, state_file  # ElasticState's (passed in: no import cycle)
         self.rank, self.world = rank, world
         self.overlap = overlap
         self._pending: Optional[PendingCopy] = None
@@ -205,7 +206,6 @@ class ShardedSnapshots:
 
     def _exchange_job(self, snap: Any, own: List[torch.Tensor], incoming: Dict[int, List[torch.Tensor]],
                       layout: Dict[int, List[Chunk]]) -> None:
-        from raylastic.state import STORE
         try:
             self._exchange.exchange(own, incoming)
             starts, pos = {}, 0
@@ -214,7 +214,7 @@ class ShardedSnapshots:
                 pos += len(layout[s])
             leaves = {starts[s] + j: t for s, ts in incoming.items() for j, t in enumerate(ts)}
             if incoming:
-                self._merge(STORE, snap, leaves)
+                self._merge(self._store, snap, leaves)
         except Exception as e:  # noqa: BLE001 - the snapshot keeps only the own shard
             logger.warning("snapshot %s: peer copy failed (%s); it holds only rank %s's own shard",
                            snap.index, e, self.rank)
@@ -227,6 +227,7 @@ class ShardedSnapshots:
         with store._lock:  # the same lock the worker's export/merge take
             snap.tensors = map_leaves(snap.tensors, lambda j, t: leaves[j] if t.is_meta and j in leaves else t)
             snap.holding = (snap.holding[0], tuple(sorted(set(snap.holding[1]) | set(self.holds))))
+            snap.nbytes = nbytes(snap.tensors)
 
     def writer(self, snap: Any, with_plain: bool) -> Callable[[str], None]:
         """Writes this rank's own shard of ``snap`` (rank 0: and the plain state)."""
@@ -242,8 +243,7 @@ class ShardedSnapshots:
                 torch.save({"chunks": layout[self.rank], "tensors": snap.tensors[ROOT][self.rank]},
                            os.path.join(directory, shard_file(self.rank)))
                 if with_plain:
-                    from raylastic.state import STATE_FILE
-                    torch.save({"plain": snap.plain, "tensors": {}}, os.path.join(directory, STATE_FILE))
+                    torch.save({"plain": snap.plain, "tensors": {}}, os.path.join(directory, self._state_file))
             finally:
                 snap.pins -= 1
 

@@ -103,7 +103,59 @@ def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
     full = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
     if ctx.get_world_rank() == 0 and config.get("weights_out"):
         torch.save(full, config["weights_out"])
-    return {"snapshot_bytes": state.snapshot_bytes()}
+    return {"snapshot_bytes": state.snapshot_bytes(), "shard_bytes": state.shard_bytes()}
 
 
-__all__ = ["fsdp2_mlp", "mlp"]
+def deepspeed_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The same MLP and data under DeepSpeed ZeRO (``config["zero_stage"]`` 1, 2 or 3,
+    fp32, torch's AdamW), state in ``ElasticState(engine=...)``. DeepSpeed reuses the
+    process group raylastic formed. One micro-batch per rank per step
+    (``train_micro_batch_size_per_gpu`` = global batch / world size, so the global batch
+    must divide by every world size the run takes).
+
+    config: as :func:`fsdp2_mlp` plus zero_stage."""
+    import logging
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from raylastic.data import ElasticDataLoader
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    ctx = raylastic.get_context()
+    world, gb = ctx.get_world_size(), int(config.get("global_batch", 48))
+    if gb % world:
+        raise ValueError(f"global_batch={gb} does not divide by the world size {world}")
+    ds_config = {"train_micro_batch_size_per_gpu": gb // world, "gradient_accumulation_steps": 1,
+                 "optimizer": {"type": "AdamW", "params": {"lr": float(config.get("lr", 0.01)),
+                                                           "weight_decay": 0.0, "torch_adam": True}},
+                 "zero_optimization": {"stage": int(config.get("zero_stage", 2)),
+                                       "stage3_param_persistence_threshold": 0},
+                 "steps_per_print": 10 ** 9}
+    engine, *_ = deepspeed.initialize(model=mlp(config), config=ds_config)
+    seed = int(config.get("seed", 0))
+    loader = ElasticDataLoader(_dataset(config), global_batch_size=gb, micro_batch_size=gb, shuffle=True, seed=seed)
+    state = raylastic.ElasticState(engine=engine, loader=loader, step=0, persist_every=config.get("persist_every"))
+    log = _log(config, ctx)
+    epochs = int(config.get("epochs", 4))
+    while loader.epoch < epochs:
+        for batch in loader:
+            for (xb, yb), weight in batch.accumulate():
+                engine.backward(nn.functional.binary_cross_entropy_with_logits(engine(xb), yb) * weight)
+            engine.step()
+            _write_row(log, ctx, batch)
+            if config.get("step_sleep_s"):
+                time.sleep(float(config["step_sleep_s"]))
+            state.step += 1
+            state.commit({"epoch": batch.epoch, "step": batch.step, "world_size": world,
+                          "restored_from": state.restored_from})
+    if log is not None:
+        log.close()
+    full = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
+    if ctx.get_world_rank() == 0 and config.get("weights_out"):
+        torch.save({f"{n}": t for n, t in full.items()}, config["weights_out"])
+    return {"snapshot_bytes": state.snapshot_bytes(), "shard_bytes": state.shard_bytes()}
+
+
+__all__ = ["fsdp2_mlp", "deepspeed_mlp", "mlp"]

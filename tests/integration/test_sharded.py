@@ -14,7 +14,7 @@ from raylastic import CheckpointConfig, ElasticTrainer, RunConfig, ScalingConfig
 from raylastic.data import global_batch_indices, shard_for_rank, steps_per_epoch
 from raylastic.events import EventKind, load_events
 from raylastic.testing.faults import FitThread, RunWatcher, kill_node_at
-from raylastic.testing.sharded_funcs import fsdp2_mlp
+from raylastic.testing.sharded_funcs import deepspeed_mlp, fsdp2_mlp
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -103,9 +103,18 @@ def _elastic_run(local_cluster, run_dir, tmp_path, train_func, name, **cfg_extra
         print("EVENTS", [(e["kind"], e.get("index"), e.get("epoch")) for e in events if e["kind"] != "metrics"])
     print(f"{name}: max relative weight difference elastic vs fixed: {diff:.2e}")
     assert diff <= 1e-5
+    mem = result.return_value  # rank 0's: its snapshots' host bytes against its own shard
+    assert 0 < mem["snapshot_bytes"] <= 4 * mem["shard_bytes"], mem
     return result, events
 
 
 def test_fsdp2_resizes_3_2_3_from_peer_memory_like_a_fixed_size_run(local_cluster, restore_nodes, run_dir,
                                                                    tmp_path):
     _elastic_run(local_cluster, run_dir, tmp_path, fsdp2_mlp, "fsdp2", trace_weights=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_zero_resizes_3_2_3_from_peer_memory_like_a_fixed_size_run(local_cluster, restore_nodes, run_dir,
+                                                                            tmp_path, stage):
+    pytest.importorskip("deepspeed")
+    _elastic_run(local_cluster, run_dir, tmp_path, deepspeed_mlp, f"zero{stage}", zero_stage=stage)

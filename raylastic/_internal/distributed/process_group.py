@@ -200,6 +200,10 @@ def destroy_group() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a group with dead peers may not shut down cleanly
             pass
+        # DeepSpeed caches groups derived from the default one; the next
+        # deepspeed.initialize (at the new world size) must build them anew.
+        from raylastic._internal.sharded_deepspeed import release_deepspeed_groups
+        release_deepspeed_groups()
 
 
 def release_store() -> None:
