@@ -346,6 +346,33 @@ def fit(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+def cpu_model(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """Controller CPU share = fixed + per_poll * worker polls/s + per_worker * N, fitted
+    over every run of every design (a poll costs the same whoever asks for it), then
+    evaluated with each design's poll rate at 256 and 1,024 workers: the committed design
+    polls every member every tick (10 ticks/s at poll_interval_s=0.1, if it kept up),
+    the watched one rank 0 every tick plus everyone at most MAX_POLLS_PER_S (200) a second."""
+    import numpy as np
+
+    rows = [(r["steady"]["worker_polls_per_s"], r["n"], r["steady"]["controller_process_cpu_share"])
+            for d in doc["designs"].values() for r in d["runs"] if r.get("steady", {}).get("worker_polls_per_s")]
+    if len(rows) < 4:
+        return {}
+    a = np.array([[1.0, p, n] for p, n, _ in rows])
+    y = np.array([c for _, _, c in rows])
+    (fixed, per_poll, per_worker), *_ = np.linalg.lstsq(a, y, rcond=None)
+    ticks = 10.0
+    rates = {"before": lambda n: ticks * n, "after": lambda n: min(ticks * n, 200.0 + ticks)}
+    return {
+        "fixed": round(float(fixed), 4), "per_worker_poll_ms": round(1000 * float(per_poll), 4),
+        "per_worker": round(float(per_worker), 6), "runs": len(rows),
+        "predicted_cpu_share": {label: {str(n): round(float(fixed + per_poll * rate(n) + per_worker * n), 3)
+                                        for n in [64] + EXTRAPOLATE} for label, rate in rates.items()},
+        "note": "the committed design's 1,024-worker number is a demand: its loop cannot go past one "
+                "core, so it would poll slower instead (each full poll ~1.2 s) and see losses later",
+    }
+
+
 def plot(doc: Dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -451,6 +478,7 @@ def save(doc: Dict[str, Any], path: str = JSON_PATH) -> None:
         for run in design["runs"]:
             _derive(run)
         design["fit"] = fit(design["runs"])
+    doc["cpu_model"] = cpu_model(doc)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
@@ -479,6 +507,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if a.report:
         save(doc, a.out)
         print(markdown(doc))
+        print(json.dumps(doc["cpu_model"], indent=1))
         return
     design = doc["designs"].setdefault(a.label, {"runs": []})
     if a.note:

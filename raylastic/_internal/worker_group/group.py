@@ -313,7 +313,7 @@ class WorkerGroup:
                 except Exception:  # noqa: BLE001 - an actor already gone: the poll says so
                     pass
         refs = {self._watch_refs[m.wid]: m for m in members if m.wid in self._watch_refs}
-        ended, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        ended = ray.wait(list(refs), num_returns=len(refs), timeout=0)[0] if refs else []
         urgent = set()
         for ref in ended:
             m = refs[ref]
