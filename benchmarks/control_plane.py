@@ -361,8 +361,7 @@ def cpu_model(doc: Dict[str, Any]) -> Dict[str, Any]:
     a = np.array([[1.0, p, n] for p, n, _ in rows])
     y = np.array([c for _, _, c in rows])
     (fixed, per_poll, per_worker), *_ = np.linalg.lstsq(a, y, rcond=None)
-    ticks = 10.0
-    rates = {"before": lambda n: ticks * n, "after": lambda n: min(ticks * n, 200.0 + ticks)}
+    rates = POLL_RATES
     return {
         "fixed": round(float(fixed), 4), "per_worker_poll_ms": round(1000 * float(per_poll), 4),
         "per_worker": round(float(per_worker), 6), "runs": len(rows),
@@ -371,6 +370,20 @@ def cpu_model(doc: Dict[str, Any]) -> Dict[str, Any]:
         "note": "the committed design's 1,024-worker number is a demand: its loop cannot go past one "
                 "core, so it would poll slower instead (each full poll ~1.2 s) and see losses later",
     }
+
+
+POLL_RATES = {"before": lambda n: 10.0 * n, "after": lambda n: min(10.0 * n, 200.0 + 10.0)}
+
+
+def _model_curve(doc: Dict[str, Any], label: str, name: str):
+    """CPU and poll rate past 64 follow each design's poll rule, not a line through N."""
+    m, rate = doc.get("cpu_model"), POLL_RATES.get(label)
+    if not m or rate is None or name not in ("controller_process_cpu_share", "worker_polls_per_s"):
+        return None
+    xs = [4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    if name == "worker_polls_per_s":
+        return xs, [rate(x) for x in xs]
+    return xs, [m["fixed"] + m["per_worker_poll_ms"] / 1000 * rate(x) + m["per_worker"] * x for x in xs]
 
 
 def plot(doc: Dict[str, Any], path: str) -> None:
@@ -390,7 +403,11 @@ def plot(doc: Dict[str, Any], path: str) -> None:
             if not pts:
                 continue
             line = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", label=f"{label} (measured)")[0]
-            if f:
+            model = _model_curve(doc, label, name)
+            if model:
+                what = "poll rule at 10 ticks/s" if name == "worker_polls_per_s" else "cpu_model at 10 ticks/s"
+                ax.plot(*model, "--", color=line.get_color(), label=f"{label}: {what}, extrapolated")
+            elif f:
                 xs = [4, 8, 16, 32, 64, 128, 256, 512, 1024]
                 ys = [f["intercept"] + f["per_worker"] * x for x in xs]
                 ax.plot(*zip(*[(x, y) for x, y in zip(xs, ys) if not logy or y > 0]), "--",
