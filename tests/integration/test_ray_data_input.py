@@ -29,6 +29,7 @@ from ray.train.examples.pytorch.torch_regression_example import train_func as ra
 import raylastic
 from raylastic.errors import ConfigError, TrainingFailedError
 from raylastic.events import EventKind
+from raylastic.testing.cluster import wait_until
 from raylastic.testing.faults import FitThread, RunWatcher, kill_node_at
 from raylastic.testing.ray_data_funcs import ids_ddp
 
@@ -68,6 +69,10 @@ def _lose_and_regain(cluster, trainer, run_path, kill_at):
     th = FitThread(trainer)
     th.start()
     w = RunWatcher(run_path)
+    # Until report ``kill_at``, or fit() ended early (its error is the failure to show).
+    wait_until(lambda: not th.is_alive() or w.last_index() >= kill_at, 120, what=f"report {kill_at}")
+    if not th.is_alive():
+        return th.wait(0)
     kill_node_at(cluster, w, kill_at)
     w.wait_for_event(EventKind.FIRST_STEP, 120, count=2)
     cluster.add_node()
