@@ -338,17 +338,23 @@ class PeerExchange:
                 return
             job()
 
-    def exchange(self, own: Sequence[torch.Tensor], incoming: Mapping[int, Sequence[torch.Tensor]]) -> None:
-        """Send ``own`` to every receiver, receive into ``incoming[src]`` (host tensors)."""
+    def exchange(self, own: Sequence[torch.Tensor], incoming: Mapping[int, Sequence[torch.Tensor]],
+                 index: int = 0) -> None:
+        """Send ``own`` to every receiver, receive into ``incoming[src]`` (host tensors).
+        Tags carry the snapshot index: a peer that skipped a snapshot can only stall this
+        exchange (the group timeout fails it), never fill it with another step's shard."""
         works = []
+        base = (index % 4096) * 100_000
+        if len(own) >= 100_000 or any(len(b) >= 100_000 for b in incoming.values()):
+            raise ValueError("more than 100,000 sharded tensors per rank")
         for dst in self.receivers():
             for j, t in enumerate(own):
                 if t.numel():
-                    works.append(dist.isend(t, dst=dst, group=self._group, tag=j))
+                    works.append(dist.isend(t, dst=dst, group=self._group, tag=base + j))
         for src, bufs in incoming.items():
             for j, t in enumerate(bufs):
                 if t.numel():
-                    works.append(dist.irecv(t, src=src, group=self._group, tag=j))
+                    works.append(dist.irecv(t, src=src, group=self._group, tag=base + j))
         for w in works:
             w.wait()
 

@@ -207,7 +207,7 @@ class ShardedSnapshots:
     def _exchange_job(self, snap: Any, own: List[torch.Tensor], incoming: Dict[int, List[torch.Tensor]],
                       layout: Dict[int, List[Chunk]]) -> None:
         try:
-            self._exchange.exchange(own, incoming)
+            self._exchange.exchange(own, incoming, snap.index)
             starts, pos = {}, 0
             for s in range(len(layout)):
                 starts[s] = pos
