@@ -60,6 +60,16 @@ def _write_row(log, ctx, batch) -> None:
         log.flush()
 
 
+def _pace(config: Dict[str, Any], ctx) -> None:
+    """``step_sleep_s`` per step; ``slow_below_world``: sleep ``slow_sleep_s`` instead while
+    the group is smaller than that (a test's scale-up then lands before the run ends)."""
+    sleep = float(config.get("step_sleep_s") or 0)
+    if config.get("slow_below_world") and ctx.get_world_size() < int(config["slow_below_world"]):
+        sleep = float(config.get("slow_sleep_s", 0.5))
+    if sleep:
+        time.sleep(sleep)
+
+
 def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
     """FSDP2 (``fully_shard`` per Linear and at the root) + Adam, state in ``ElasticState``.
 
@@ -90,8 +100,7 @@ def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
             opt.step()
             opt.zero_grad()
             _write_row(log, ctx, batch)
-            if config.get("step_sleep_s"):
-                time.sleep(float(config["step_sleep_s"]))
+            _pace(config, ctx)
             state.step += 1
             metrics = {"epoch": batch.epoch, "step": batch.step, "world_size": ctx.get_world_size(),
                        "restored_from": state.restored_from}
@@ -145,8 +154,7 @@ def deepspeed_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
                 engine.backward(nn.functional.binary_cross_entropy_with_logits(engine(xb), yb) * weight)
             engine.step()
             _write_row(log, ctx, batch)
-            if config.get("step_sleep_s"):
-                time.sleep(float(config["step_sleep_s"]))
+            _pace(config, ctx)
             state.step += 1
             state.commit({"epoch": batch.epoch, "step": batch.step, "world_size": world,
                           "restored_from": state.restored_from})
