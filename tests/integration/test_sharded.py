@@ -75,8 +75,8 @@ def _elastic_run(local_cluster, run_dir, tmp_path, train_func, name, **cfg_extra
                          run_config=RunConfig(name=f"{name}-ref", storage_path=run_dir, verbose=False,
                                               progress=False)).fit()
     assert ref.world_sizes == [2]
-    # 0.15 s a step at 3 workers, 0.6 s at 2: the node added back joins before the end
-    cfg = _cfg(tmp_path, name, step_sleep_s=0.15, slow_below_world=3, slow_sleep_s=0.6, **cfg_extra)
+    # 0.15 s a step at 3 workers, 0.8 s at 2: the node added back joins before the end
+    cfg = _cfg(tmp_path, name, step_sleep_s=0.15, slow_below_world=3, slow_sleep_s=0.8, **cfg_extra)
     th = FitThread(ElasticTrainer(train_func, train_loop_config=cfg,
                                   scaling_config=ScalingConfig(min_workers=2, max_workers=3),
                                   run_config=RunConfig(name=name, storage_path=run_dir, verbose=False,
