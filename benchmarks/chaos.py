@@ -50,6 +50,9 @@ from typing import Any, Dict
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DATA = {"n": 1200, "global_batch": 48, "micro_batch": 8, "seed": 0, "hidden": 64, "lr": 0.05}
 CKPT_EVERY = 25
+# A step that takes more than STALL_FACTOR x the median step was blocked (on a checkpoint
+# upload during a storage outage): the report counts it as productive, the strict variant not.
+STALL_FACTOR = 10.0
 # Which faults apply to Ray Train, and how (the same injector runs for both).
 RAY_TRAIN_NOTES = {
     "kill_node": "applies: Ray Train restarts the worker group from its last checkpoint",
@@ -145,6 +148,8 @@ def run_system(system: str, schedule, server, seed_dir: str, step_sleep_s: float
 
         steps = read_jsonl(os.path.join(log_dir, "steps.jsonl"))
         out["goodput"] = goodput_from_steps(steps, t_start, t_end, group_starts(log_dir))
+        out["goodput_stalls_as_badput"] = goodput_from_steps(steps, t_start, t_end, group_starts(log_dir),
+                                                             max_step_s=STALL_FACTOR * _median_step(steps))
         out["wall_s"] = round(t_end - t_start, 2)
         out["first_step_after_s"] = round(steps[0]["t"] - t_start, 2) if steps else None
         out["training_started_s"] = round(t_train - t_start, 2)
@@ -198,6 +203,41 @@ def _reference_diff(cluster, seed_dir: str, final: Dict[str, Any]) -> float:
     return weight_difference(ref["weights"], final["weights"])
 
 
+def _median_step(steps) -> float:
+    import statistics
+
+    gaps = [b["t"] - a["t"] for a, b in zip(steps, steps[1:]) if a["group"] == b["group"]]
+    return statistics.median(gaps) if gaps else 1.0
+
+
+def reanalyse(results: Dict[str, Any]) -> None:
+    """Stalls, recomputed from a result file's ``steps_trace`` (every 5th step of rank 0's
+    log): an interval of exactly 5 steps (the same group going on: no restore between) that
+    took more than STALL_FACTOR x the median such interval was blocked; the time beyond the
+    median is ``stalled_s``. The report's goodput counts it as productive; the stricter
+    ``goodput_stalls_as_badput`` = (productive_s - stalled_s) / wall_s. (Runs from this
+    version on also record the step-exact ``goodput_stalls_as_badput``.)"""
+    import statistics
+
+    for system in ("raylastic", "ray_train"):
+        r = results.get(system)
+        if not r or not r.get("steps_trace") or not r.get("goodput", {}).get("wall_s"):
+            continue
+        tr = r["steps_trace"]
+        runs = [(a[0], b[0] - a[0]) for a, b in zip(tr, tr[1:]) if b[1] - a[1] == 5]
+        if not runs:
+            continue
+        med = statistics.median(d for _, d in runs)
+        stalls = [(round(t, 1), round(d, 1)) for t, d in runs if d > STALL_FACTOR * med]
+        stalled = sum(d - med for _, d in stalls)
+        g = r["goodput"]
+        r["stall_analysis"] = {
+            "stalls_at_s_and_length_s": stalls, "stalled_s": round(stalled, 1),
+            "median_5_step_s": round(med, 3),
+            "goodput_stalls_as_badput": round((g["productive_s"] - stalled) / g["wall_s"], 4),
+        }
+
+
 def _runs(values):
     out = []
     for v in values:
@@ -242,7 +282,17 @@ def main() -> None:
     ap.add_argument("--step-sleep-s", type=float, default=0.05)
     ap.add_argument("--merge", action="store_true", help="update --out, keeping the other systems' results")
     ap.add_argument("--out", default=os.path.join(RESULTS, "chaos.json"))
+    ap.add_argument("--reanalyse", action="store_true",
+                    help="recompute the derived numbers of --out from its step traces; no run")
     args = ap.parse_args()
+    if args.reanalyse:
+        results = json.load(open(args.out))
+        reanalyse(results)
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+        print(json.dumps({s: results[s].get("stall_analysis") for s in ("raylastic", "ray_train") if s in results},
+                         indent=1))
+        return
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
     from raylastic.testing.chaos import ChaosSchedule
     from raylastic.testing.seaweedfs import SeaweedS3
@@ -284,6 +334,7 @@ def main() -> None:
     a, b = results.get("raylastic"), results.get("ray_train")
     if a and b and a["goodput"]["goodput"] and b["goodput"]["goodput"]:
         results["goodput_ratio_raylastic_over_ray_train"] = round(a["goodput"]["goodput"] / b["goodput"]["goodput"], 3)
+    reanalyse(results)
     results["target"] = {"raylastic_goodput_min": 0.85,
                          "met": bool(a and a["goodput"]["goodput"] and a["goodput"]["goodput"] >= 0.85)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

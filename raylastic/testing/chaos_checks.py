@@ -126,13 +126,18 @@ def partial_checkpoint_loads(events: List[Dict[str, Any]]) -> List[str]:
 
 
 def goodput_from_steps(steps: List[Dict[str, Any]], t_start: float, t_end: float,
-                       group_start: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
+                       group_start: Optional[Dict[str, float]] = None,
+                       max_step_s: Optional[float] = None) -> Dict[str, Any]:
     """docs/report.md's goodput on a step log (rows ``t``, ``step``, ``group``, ``world``):
     productive time = the step times of steps not trained again later (a step is trained
     again iff a later row has a step index <= it); a step's time is the time since the
     previous step of its group; a group's first step takes the group's median step time
     (the run's if it has one step), capped at the time since the group started; wall =
-    ``t_end - t_start``."""
+    ``t_end - t_start``.
+
+    ``max_step_s``: a stricter variant. The report counts a step that blocked (e.g. on a
+    checkpoint upload waiting out a storage outage) as productive; with a cap, the time a
+    kept step took beyond ``max_step_s`` is ``stalled_s``, badput."""
     if not steps or t_end <= t_start:
         return {"goodput": None, "productive_s": 0.0, "wall_s": max(0.0, t_end - t_start),
                 "kept": 0, "reported": len(steps), "retrained": 0}
@@ -157,14 +162,20 @@ def goodput_from_steps(steps: List[Dict[str, Any]], t_start: float, t_end: float
             since = r["t"] - (group_start or {}).get(g, r["t"] - med)
             times[i] = max(0.0, min(med, since))
         prev[g] = r["t"]
+    stalled = 0.0
     for i in range(len(steps) - 1, -1, -1):
         if steps[i]["step"] < later_min:
             kept += 1
-            productive += times[i]
+            over = max(0.0, times[i] - max_step_s) if max_step_s is not None else 0.0
+            productive += times[i] - over
+            stalled += over
         later_min = min(later_min, steps[i]["step"])
     wall = t_end - t_start
-    return {"goodput": productive / wall, "productive_s": round(productive, 3), "wall_s": round(wall, 3),
-            "kept": kept, "reported": len(steps), "retrained": len(steps) - kept}
+    out = {"goodput": productive / wall, "productive_s": round(productive, 3), "wall_s": round(wall, 3),
+           "kept": kept, "reported": len(steps), "retrained": len(steps) - kept}
+    if max_step_s is not None:
+        out.update(max_step_s=round(max_step_s, 3), stalled_s=round(stalled, 3))
+    return out
 
 
 def group_starts(log_dir: str) -> Dict[str, float]:
