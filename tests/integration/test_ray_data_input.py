@@ -96,8 +96,9 @@ def _regression_datasets(rows=2400):
 
 
 def test_ray_regression_example_survives_a_node_loss_and_a_scale_up(three_nodes, run_dir):
-    train_ds, val_ds = _regression_datasets()
-    epochs = 6
+    # Epochs of a few seconds each, so the node added back joins while training.
+    train_ds, val_ds = _regression_datasets(rows=6000)
+    epochs = 8
     trainer = _elastic(ray_regression_train_func, {"lr": 1e-2, "hidden_size": 20, "batch_size": 4,
                                                    "epochs": epochs},
                        run_dir, "regression", {"train": train_ds, "validation": val_ds},
@@ -105,7 +106,7 @@ def test_ray_regression_example_survives_a_node_loss_and_a_scale_up(three_nodes,
     result = _lose_and_regain(three_nodes, trainer, os.path.join(run_dir, "regression"), 1)
     assert result.error is None
     assert result.world_sizes == [3, 2, 3], result.world_sizes
-    # The example keeps no state in its checkpoints: the last attempt ran its 6 epochs;
+    # The example keeps no state in its checkpoints: the last attempt ran its 8 epochs;
     # rank 0 validated each (on the whole validation set).
     assert len(result.return_value) == epochs and all("loss" in r for r in result.return_value)
     # Every committed checkpoint carries the split dataset's position, at epoch boundaries
