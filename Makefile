@@ -37,6 +37,7 @@ bench: $(STAMP) $(AZURITE)
 	$(PY) benchmarks/snapshot_overhead.py
 	$(PY) benchmarks/data_overhead.py
 	$(PY) benchmarks/checkpoint_io.py
+	$(PY) benchmarks/control_plane.py --repeats 1
 
 clean:
 	rm -rf .venv .cache
