@@ -535,16 +535,19 @@ class ElasticDataIterator(_data_iterator_base()):
             batch = table if fmt_name == "pyarrow" else BlockAccessor.for_block(table).to_batch_format(fmt_name)
             if _collate_fn is not None:
                 batch = _collate_fn(batch)
-            if _finalize_fn is not None:
-                batch = _finalize_fn(batch)
-            return batch
+            if _finalize_fn is None:
+                return batch, None
+            done = _finalize_fn(batch)  # Ray's FinalizedData: the batch, and a hook to call
+            return done.data, done.on_consume  # right before the batch goes to the user
 
         return _IterableFromIterator(lambda: self._yielding(batch_size, drop_last, fmt, prefetch_batches))
 
     def _yielding(self, batch_size: int, drop_last: bool, fmt, prefetch_batches: int):
-        for batch, pos in self._run(batch_size, drop_last, 1, fmt, max(1, prefetch_batches) + 1):
+        for (batch, on_consume), pos in self._run(batch_size, drop_last, 1, fmt, max(1, prefetch_batches) + 1):
+            if on_consume is not None:
+                on_consume()
             self._shards._advance(self._name, pos)  # consumed once yielded (docs/data.md)
-            yield batch[0]
+            yield batch
 
     def iter_rows(self):
         from ray.data.block import BlockAccessor
@@ -560,7 +563,7 @@ class ElasticDataIterator(_data_iterator_base()):
         return _IterableFromIterator(gen)
 
     def _run(self, batch_size, drop_last, m, fmt, depth):
-        for payload, positions in self._run_items(batch_size, drop_last, m, lambda t: (fmt(t),), depth):
+        for payload, positions in self._run_items(batch_size, drop_last, m, fmt, depth):
             yield payload, positions[-1]
 
     def _run_items(self, batch_size, drop_last, m, fmt, depth):
