@@ -91,6 +91,14 @@ def _runs(values: List[int]) -> List[int]:
     return out
 
 
+class _Terminated(Exception):
+    """SIGTERM (e.g. ``timeout``): summarize the run in progress, write the JSON, exit."""
+
+
+def _on_sigterm(_sig, _frame):
+    raise _Terminated()
+
+
 def _drain(cluster, node, notice_s: float) -> float:
     from ray._raylet import GcsClient
     from ray.core.generated import autoscaler_pb2
@@ -146,8 +154,11 @@ def run_schedule(cluster, fit: Callable[[], Any], log_dir: str, stop_path: str, 
               timeout_s, "steps after the drained node left")
     except TimeoutError as e:
         marks["timeout"] = str(e)
+    except _Terminated:
+        marks["timeout"] = "terminated (SIGTERM) before the schedule finished"
+        marks["terminated"] = True
     open(stop_path, "w").close()
-    th.join(timeout_s)
+    th.join(15 if marks.get("terminated") else timeout_s)
     if th.is_alive():
         marks.setdefault("timeout", "fit() did not return after the stop flag")
     return summarize(log_dir, marks, box)
@@ -252,6 +263,8 @@ def summarize(log_dir: str, marks: Dict[str, Any], box: Dict[str, Any]) -> Dict[
             if key in out and out[key].get("train_fn_resume"):
                 out[key]["source"] = out[key]["train_fn_resume"]["source"]
     out["resumes"] = resumes
+    if marks.get("terminated"):
+        out["terminated"] = True
     return out
 
 
@@ -379,7 +392,7 @@ def table(results: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main() -> Optional[int]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few-M-parameter model, few steps (smoke run)")
     ap.add_argument("--hidden", type=int, default=None, help="default 3584 (quick: 768)")
@@ -446,6 +459,9 @@ def main() -> None:
     systems = [s for s in args.systems.split(",") if s]
     frameworks = [f for f in args.frameworks.split(",") if f]
     print(f"model: {nparams / 1e6:.1f} M parameters", flush=True)
+    import signal
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
     for rep in range(args.repeats):
         for fw in frameworks:
             for system in systems:
@@ -465,6 +481,9 @@ def main() -> None:
                     results["runs"].setdefault(key, []).append(res)
                     print(json.dumps({k: v for k, v in res.items() if k != "resumes"}, indent=1), flush=True)
                     finish(results, frameworks, args.out)
+                    if res.get("terminated"):
+                        print(f"terminated; partial results in {args.out}", flush=True)
+                        return 1
     print(json.dumps(results["targets"], indent=1))
     print(table(results))
     print(f"wrote {args.out}")
