@@ -59,6 +59,25 @@ def release_deepspeed_groups() -> None:
     release = getattr(groups, "_release_process_group_references", None)
     if release is not None:
         release(None)
+    _reset_zero3_ids()
+
+
+def _reset_zero3_ids() -> None:
+    """ZeRO-3 numbers modules and parameters with process-global counters that no new
+    engine resets: module ids come from a mutable default argument
+    (``DeepSpeedZeRoOffload._register_deepspeed_module(count=[0])``), parameter ids from
+    ``Init.param_id``. After a resize a surviving worker (its second engine) and a worker
+    that joined (its first) would number the same modules differently, and ZeRO-3's first
+    trace check fails ("Detected a disagreement on list contents between rank0 and rankN").
+    Reset with the groups, so every rank's next engine numbers from 0."""
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    cls = getattr(offload, "DeepSpeedZeRoOffload", None)
+    defaults = getattr(getattr(cls, "_register_deepspeed_module", None), "__defaults__", None)
+    if defaults and isinstance(defaults[0], list) and defaults[0]:
+        defaults[0][0] = 0
+    params = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    if getattr(params, "Init", None) is not None:
+        params.Init.param_id = 0
 
 
 def _is_zero3(opt: Any) -> bool:

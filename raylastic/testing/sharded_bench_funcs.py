@@ -202,22 +202,11 @@ def fsdp2_bench(config: Dict[str, Any]) -> None:
 
 
 def _reset_zero3_ids() -> None:
-    """Work around a process-global counter in DeepSpeed ZeRO-3: module ids come from a
-    mutable default argument (``DeepSpeedZeRoOffload._register_deepspeed_module(count=[0])``)
-    and parameter ids from ``Init.param_id``; neither is reset when an engine is built
-    again in the same process. After a resize, a surviving worker (its second engine)
-    and a worker that joined (its first) then number the same modules differently, and
-    ZeRO-3's first trace check fails: "Detected a disagreement on list contents between
-    rank0 and rankN". Every rank builds its engine from ids 0."""
-    try:
-        from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-        from deepspeed.runtime.zero.partition_parameters import Init
-    except ImportError:
-        return
-    defaults = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__
-    if defaults and isinstance(defaults[0], list) and defaults[0]:
-        defaults[0][0] = 0
-    Init.param_id = 0
+    """ZeRO-3's process-global module/parameter counters (see
+    ``raylastic._internal.sharded_deepspeed._reset_zero3_ids``; raylastic resets them at
+    every group teardown, this covers the Ray Train anchor's restarts too)."""
+    from raylastic._internal.sharded_deepspeed import _reset_zero3_ids as reset
+    reset()
 
 
 def _ds_engine(config: Dict[str, Any], world: int):
