@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ class AsyncUploader:
     def __init__(self, storage, staging_root: Optional[str] = None):
         self._storage = storage
         self._root = staging_root or tempfile.mkdtemp(prefix="raylastic-staging-")
+        if staging_root is None:  # ours: removed with the uploader (or at interpreter exit)
+            weakref.finalize(self, shutil.rmtree, self._root, True)
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self.last_error: Optional[BaseException] = None
