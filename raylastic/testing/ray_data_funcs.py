@@ -18,6 +18,7 @@ import time
 from typing import Any, Dict
 
 import ray.train
+import ray.train.torch
 import torch
 
 import raylastic
