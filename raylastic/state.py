@@ -258,21 +258,11 @@ class ElasticState:
                                                                       and hasattr(optimizer, "register_step_pre_hook")))
 
     def _restore(self) -> None:
-        if self._sharded is not None:
-            return self._restore_sharded()
         sess = self._sess
         mem = sess.restore.memory_index
         if mem is not None:
-            snap = STORE.get(sess.run_rel, mem)
-            if sess.restore.broadcast and dist.is_initialized() and dist.get_world_size() > 1:
-                snap = self._assemble(mem, snap)
-            if snap is None or not is_whole(snap.holding):
-                raise RuntimeError(
-                    f"rank {sess.spec.rank}: the in-memory snapshot {mem} the controller chose "
-                    "is not here in full (and no broadcast was planned)")
-            STORE.drop_after(sess.run_rel, mem)
             try:
-                self._load(snap.plain, snap.tensors, snap.rng)
+                self._restore_memory(mem)
             except ValueError as e:
                 raise SnapshotMismatchError(
                     f"rank {sess.spec.rank}: in-memory snapshot {mem} does not fit: {e}") from None
@@ -289,42 +279,38 @@ class ElasticState:
             if not os.path.exists(path):
                 return  # a checkpoint written by the user's own code, not by ElasticState
             blob = torch.load(path, weights_only=True)
-        self._load(blob["plain"], blob["tensors"], {})
+            if self._sharded is not None:  # the per-rank shard files, read while here
+                try:
+                    self._sharded.restore_storage(d, blob)
+                except ValueError as e:
+                    raise ValueError(f"rank {sess.spec.rank}: checkpoint {sess.restore.checkpoint_rel} does not "
+                                     f"fit this model: {e}. Nothing was loaded; start a new run (another "
+                                     "RunConfig.name) or restore the matching model") from None
+        if self._sharded is not None:
+            self._load_plain(blob["plain"], {})
+        else:
+            self._load(blob["plain"], blob["tensors"], {})
         object.__setattr__(self, "restored_from", "storage")
 
-    def _restore_sharded(self) -> None:
-        """Re-partition the old shards for this group (memory), or read the per-rank files
-        of the last persisted checkpoint (storage)."""
+    def _restore_memory(self, mem: int) -> None:
+        """Load in-memory snapshot ``mem``: sharded state is re-partitioned for this group
+        from the members' shards; replicated state is assembled (shards some rank lacks
+        are broadcast from a holder). ValueError: it does not fit."""
         sess = self._sess
-        mem = sess.restore.memory_index
-        if mem is not None:
-            snap = STORE.get(sess.run_rel, mem)
-            try:
-                plain = self._sharded.restore_memory(snap)
-            except ValueError as e:
-                raise SnapshotMismatchError(
-                    f"rank {sess.spec.rank}: in-memory snapshot {mem} does not fit: {e}") from None
+        snap = STORE.get(sess.run_rel, mem)
+        if self._sharded is not None:
+            plain = self._sharded.restore_memory(snap)
             STORE.drop_after(sess.run_rel, mem)
             self._load_plain(plain, snap.rng if snap is not None else {})  # a survivor keeps its RNG streams
-            object.__setattr__(self, "restored_from", "memory")
             return
-        STORE.drop_after(sess.run_rel, sess.restore.index)
-        ckpt = sess.get_checkpoint()
-        if ckpt is None:
-            return
-        with ckpt.as_directory() as d:
-            path = os.path.join(d, STATE_FILE)
-            if not os.path.exists(path):
-                return  # a checkpoint written by the user's own code, not by ElasticState
-            blob = torch.load(path, weights_only=True)
-            try:
-                self._sharded.restore_storage(d, blob)
-            except ValueError as e:
-                raise ValueError(f"rank {sess.spec.rank}: checkpoint {sess.restore.checkpoint_rel} does not fit "
-                                 f"this model: {e}. Nothing was loaded; start a new run (another RunConfig.name) "
-                                 "or restore the matching model") from None
-        self._load_plain(blob["plain"], {})
-        object.__setattr__(self, "restored_from", "storage")
+        if sess.restore.broadcast and dist.is_initialized() and dist.get_world_size() > 1:
+            snap = self._assemble(mem, snap)
+        if snap is None or not is_whole(snap.holding):
+            raise RuntimeError(
+                f"rank {sess.spec.rank}: the in-memory snapshot {mem} the controller chose "
+                "is not here in full (and no broadcast was planned)")
+        STORE.drop_after(sess.run_rel, mem)
+        self._load(snap.plain, snap.tensors, snap.rng)
 
     def _assemble(self, index: int, snap: Optional[Snapshot]) -> Snapshot:
         """Every rank gets all of snapshot ``index``: shards (or all of it) that some
