@@ -50,25 +50,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _read(path: str) -> List[Dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as fh:
-        for line in fh:
-            if line.endswith("\n"):
-                out.append(json.loads(line))
-    return out
-
-
-def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+from recovery import _read_log as _read, _wait  # noqa: E402  (this folder's recovery benchmark)
 
 
 def _redone(rows: List[Dict[str, Any]], first_of_group: Dict[str, Any]) -> int:
