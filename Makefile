@@ -39,6 +39,7 @@ bench: $(STAMP) $(AZURITE)
 	$(PY) benchmarks/checkpoint_io.py
 	$(PY) benchmarks/control_plane.py --repeats 1
 	$(PY) benchmarks/chaos.py
+	$(PY) benchmarks/ray_data_input.py
 	$(PY) benchmarks/sharded_recovery.py --kill-at 5 --between 2 --checkpoint-every 3 --timeout-s 150
 
 clean:
