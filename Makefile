@@ -41,6 +41,7 @@ bench: $(STAMP) $(AZURITE)
 	$(PY) benchmarks/chaos.py
 	$(PY) benchmarks/ray_data_input.py
 	$(PY) benchmarks/sharded_recovery.py --kill-at 5 --between 2 --checkpoint-every 3 --timeout-s 150
+	$(PY) benchmarks/spot_economics.py
 
 clean:
 	rm -rf .venv .cache

@@ -29,7 +29,8 @@ Format (CSV, UTF-8; also described in docs/traces.md)::
 
 Bad rows raise :class:`TraceFormatError` naming the file and line. Shipped traces (for a
 ~2-3 minute local run with 3-4 one-CPU worker nodes, node types ``spot`` and
-``on_demand``): ``calm``, ``busy``, ``drought``; see :func:`shipped_trace`.
+``on_demand``): ``calm``, ``busy``, ``drought``, ``long`` (nine preemptions with 0-20 s
+notices); see :func:`shipped_trace`.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from typing import Dict, Iterable, Optional, Tuple, Union
 from raylastic.policies.node_types import validate_node_type_name
 
 HEADER = ("time_s", "event", "node_type", "count", "notice_s")
-SHIPPED_TRACES = ("calm", "busy", "drought", "demo")
+SHIPPED_TRACES = ("calm", "busy", "drought", "demo", "long")
 
 
 class TraceFormatError(ValueError):

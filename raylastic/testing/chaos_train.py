@@ -31,6 +31,11 @@ hundreds of steps is larger than the 1e-5 the chaos test allows between a run un
 and a fault-free one; in float64 that noise stays ~1e-13, so the check sees real errors
 (a sample skipped or repeated, a stale optimizer state) and not the summation order.
 
+``config["sample_sleep_s"]`` makes each rank sleep that long per sample it trained in a step:
+a stand-in for accelerator time, which with a fixed global batch shrinks as the world grows
+(``step_sleep_s`` is a fixed time per step, whatever the world size). The spot-economics
+benchmark uses it so that more workers train more samples per second, as on real hardware.
+
 ``config["ballast_mb"]`` adds a constant buffer of that size to the model so a persisted
 checkpoint takes long enough to upload that a node can be killed during the upload.
 """
@@ -95,6 +100,13 @@ def _log_member(log_dir: str, group: str, rank: int, world: int) -> None:
              "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()})
 
 
+def _simulated_compute(config: Dict[str, Any], local_samples: int) -> None:
+    """``step_sleep_s`` per step plus ``sample_sleep_s`` per sample this rank trained."""
+    t = float(config.get("step_sleep_s") or 0) + float(config.get("sample_sleep_s") or 0) * local_samples
+    if t > 0:
+        time.sleep(t)
+
+
 def _stop_requested(path: str, world: int) -> bool:
     flag = torch.tensor([1.0 if path and os.path.exists(path) else 0.0])
     if world > 1:
@@ -105,7 +117,7 @@ def _stop_requested(path: str, world: int) -> bool:
 def chaos_elastic(config: Dict[str, Any]) -> None:
     """raylastic: ElasticState + ElasticDataLoader. config: n (1200), global_batch (48),
     micro_batch (8), epochs (max epochs, 10**6), lr (0.05), seed (0), hidden (64),
-    ballast_mb (0), step_sleep_s (0), log_dir, stop_path, weights_out."""
+    ballast_mb (0), step_sleep_s (0), sample_sleep_s (0), log_dir, stop_path, weights_out."""
     import raylastic
     from raylastic.data import ElasticDataLoader
 
@@ -136,8 +148,7 @@ def chaos_elastic(config: Dict[str, Any]) -> None:
                                   "epoch": batch.epoch, "step": batch.step,
                                   "indices": list(map(int, batch.indices))}) + "\n")
             idx.flush()
-            if config.get("step_sleep_s"):
-                time.sleep(float(config["step_sleep_s"]))
+            _simulated_compute(config, len(batch.indices))
             if state.stop_epoch < 0 and _stop_requested(config.get("stop_path"), world):
                 state.stop_epoch = batch.epoch
             state.step += 1
@@ -191,8 +202,7 @@ def chaos_ray_train(config: Dict[str, Any]) -> None:
             (loss * world / gbs).backward()
         opt.step()
         step += 1
-        if config.get("step_sleep_s"):
-            time.sleep(float(config["step_sleep_s"]))
+        _simulated_compute(config, len(shard))
         stop = _stop_requested(config.get("stop_path"), world)
         if rank == 0:
             _append(os.path.join(log_dir, "steps.jsonl"),

@@ -7,11 +7,12 @@ training step without sleeps, and tests wait on events with bounded timeouts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from raylastic.events import EVENTS_FILE, METRICS_FILE, EventKind, LossCause, read_jsonl
 from raylastic.testing.cluster import LocalCluster, wait_until
@@ -73,6 +74,25 @@ def kill_node_at(cluster: LocalCluster, watcher: RunWatcher, index: int, timeout
     node_id = watcher.current_group()["nodes"][rank]
     cluster.remove_node(cluster.node_by_id(node_id))
     return node_id
+
+
+@contextlib.contextmanager
+def slow_joins(delay_s: float) -> Iterator[None]:
+    """Nodes started inside the block run workers that wait ``delay_s`` before each join
+    of a process group: a window in which a test can lose a member the controller already
+    chose, the others waiting for it in the rendezvous. (Ray workers inherit their raylet's
+    environment, which is this process's when ``LocalCluster`` starts the node.)"""
+    from raylastic._internal.worker_group.worker import JOIN_DELAY_ENV
+
+    old = os.environ.get(JOIN_DELAY_ENV)
+    os.environ[JOIN_DELAY_ENV] = str(float(delay_s))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(JOIN_DELAY_ENV, None)
+        else:
+            os.environ[JOIN_DELAY_ENV] = old
 
 
 def kill_worker_process(pid: int) -> None:

@@ -88,7 +88,7 @@ def test_load_trace_from_file(tmp_path):
 
 
 def test_shipped_traces_parse_and_have_the_described_shape():
-    assert SHIPPED_TRACES == ("calm", "busy", "drought", "demo")
+    assert SHIPPED_TRACES == ("calm", "busy", "drought", "demo", "long")
     for name in SHIPPED_TRACES:
         trace = shipped_trace(name)
         assert load_trace(shipped_trace_path(name)).events == trace.events
@@ -110,5 +110,11 @@ def test_shipped_traces_parse_and_have_the_described_shape():
     zero = [t for t in range(0, 181) if drought.capacity_at("spot", t) == 0]
     assert zero and 35 <= len(zero) <= 45          # ~40 s without spot capacity
     assert drought.capacity_at("spot", zero[-1] + 1) > 0   # then it returns
+
+    long = shipped_trace("long")  # spot_economics.py: >= 8 preemptions, 0 s notices among them
+    preempts = [e for e in long.events if e.kind is TraceEventKind.PREEMPT]
+    assert sum(e.count for e in preempts) >= 8
+    assert {0, 5, 10, 20} <= {e.notice_s for e in preempts}
+    assert long.capacity_at("spot", 90) == 1 and long.capacity_at("spot", 115) == 4
     with pytest.raises(ValueError, match=r"no shipped trace 'storm'"):
         shipped_trace("storm")

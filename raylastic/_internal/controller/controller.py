@@ -267,7 +267,8 @@ class Controller:
             formed = self._group.setup(members, epoch, self._scaling.backend)
         except GroupFormationError as e:
             self._events.emit(EventKind.FAILURE, f"group formation for epoch {epoch} failed: {e}; "
-                              f"{e.gone} worker(s) gone, re-forming", epoch=epoch, kind="formation")
+                              f"{e.gone} worker(s) gone, re-forming", epoch=epoch, failure_kind="formation",
+                              gone=e.gone)
             return None
         members, world = formed.members, len(formed.members)
         latest = self._ckpt.latest_valid()

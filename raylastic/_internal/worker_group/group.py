@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from raylastic._internal.holdings import Holding, plan_stripes
 from raylastic._internal.worker_group.pool import WorkerHandle, WorkerPool
@@ -207,10 +207,20 @@ class WorkerGroup:
         return ray.get(ref)
 
     def _get_all(self, refs: List[Any], timeout_s: float) -> List[Any]:
-        done, _ = self._wait(refs, timeout_s)
-        if len(done) < len(refs):
-            raise GetTimeoutError(f"{len(refs) - len(done)} of {len(refs)} workers gave no answer "
-                                  f"within {timeout_s} s")
+        """Every answer, or the first error as soon as it arrives: a member that died
+        while the others wait on it (e.g. in a rendezvous, until the group timeout) ends
+        the wait at once, so the caller can drop it and go on without waiting that out."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            self.check_interrupt()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GetTimeoutError(f"{len(pending)} of {len(refs)} workers gave no answer "
+                                      f"within {timeout_s} s")
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(SLICE_S, left))
+            for ref in ready:
+                ray.get(ref)  # raises the member's error now
         return ray.get(refs)
 
     # -- forming and starting a group ----------------------------------------------------
@@ -232,8 +242,13 @@ class WorkerGroup:
                 for r, m in enumerate(members)
             ]
             self._get_all([m.actor.setup_group.remote(s) for m, s in zip(members, specs)], GROUP_TIMEOUT_S + 10)
-        except (RayActorError, GetTimeoutError) as e:
+        except (RayActorError, GetTimeoutError, RayTaskError) as e:
             dead = self.probe(members, timeout_s=2.0)
+            if isinstance(e, RayTaskError) and not dead:
+                raise  # a member could not join and none is gone: not a loss, the run's error
+            # A survivor's rendezvous can fail (a peer gone mid-join) or still be waiting on
+            # a gone member: either way the group is formed again without the gone ones. A
+            # survivor's stale join gives up at its own timeout, in its own actor thread.
             for h in members:
                 if h.wid in dead:
                     self.remove(h)

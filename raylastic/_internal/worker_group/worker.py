@@ -36,6 +36,10 @@ from raylastic._internal.worker_group.results import (
     Holdings, PersistedSnapshot, PollResult, StopAnswer, WorkerStatus,
 )
 
+# Seconds a worker waits before joining a process group (fault injection, tests only: see
+# raylastic.testing.faults.slow_joins). Read from the worker's environment.
+JOIN_DELAY_ENV = "RAYLASTIC_TESTING_JOIN_DELAY_S"
+
 
 class TrainWorker:
     """Ray actor body (wrapped with ``ray.remote`` by the worker group)."""
@@ -55,6 +59,11 @@ class TrainWorker:
         self._run_rel = run_rel
         self._run_name = run_name
         self._lock = threading.Lock()
+        # One join at a time: a join the controller gave up on (a member died while the
+        # others waited for it in the rendezvous) may still be blocked in
+        # init_process_group until the group timeout; the next join must not run beside it.
+        self._join_lock = threading.Lock()
+        self._join_epoch = -1  # the newest epoch asked to join; an older join still queued gives up
         self._thread: Optional[threading.Thread] = None
         self._session: Optional[Session] = None
         self._status = WorkerStatus.IDLE
@@ -88,6 +97,17 @@ class TrainWorker:
     def setup_group(self, spec: GroupSpec) -> None:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("setup_group while the train function is still running")
+        with self._lock:
+            self._join_epoch = max(self._join_epoch, spec.epoch)
+        delay = float(os.environ.get(JOIN_DELAY_ENV) or 0)
+        if delay > 0:  # fault injection (raylastic.testing.faults.slow_joins): a member can be lost mid-join
+            time.sleep(delay)
+        with self._join_lock:
+            if spec.epoch < self._join_epoch:
+                raise RuntimeError(f"join of epoch {spec.epoch} superseded by epoch {self._join_epoch}")
+            self._init_group(spec)
+
+    def _init_group(self, spec: GroupSpec) -> None:
         process_group.init_group(
             epoch=spec.epoch, rank=spec.rank, world_size=spec.world_size,
             master_addr=spec.master_addr, master_port=spec.master_port, backend=spec.backend,

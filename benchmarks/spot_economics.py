@@ -1,0 +1,365 @@
+"""Spot economics: what one fixed workload costs per trained sample, how long it takes and
+how much of the wall time is useful, for raylastic spot-first, raylastic on on-demand only
+and Ray Train 2.60 on the same simulated spot capacity, over the shipped spot traces.
+
+The cloud is ``raylastic.sim.SpotCloud``: Ray's real autoscaler launching local one-CPU
+raylets of two node types, ``spot`` ($0.30/h) and ``on_demand`` ($1.00/h: spot at 0.3x),
+with capacity and preemptions replayed from a trace (``calm``, ``busy``, ``drought`` and
+``long``, nine preemptions with 0-20 s notices; docs/traces.md). Each run gets a fresh cloud.
+
+The workload (``WORK``): the chaos benchmark's MLP and data (``raylastic.testing.chaos_train``),
+``epochs`` x 1,200 samples at a fixed global batch of 48, the same train function logic for
+both frameworks, a storage checkpoint every 25 steps on local disk. Each rank sleeps
+``sample_sleep_s`` per sample it trains (a stand-in for accelerator time: with a fixed
+global batch, 3 workers train a step ~3x faster than 1, as on real hardware; without it a
+tiny CPU model would train as fast on one worker and elasticity would buy nothing).
+
+Systems, min 2 / max 3 workers each:
+
+- ``raylastic_spot``: ``ElasticTrainer`` + ``ElasticState`` + ``ElasticDataLoader``,
+  ``CapacityPolicy(prefer="spot", fallback_after_s=10, max_on_demand_workers=2)``: spot
+  first, on-demand for a spot shortfall, back to spot when it returns.
+- ``raylastic_on_demand``: the same on on-demand nodes only
+  (``CapacityPolicy(prefer="on_demand", max_on_demand_workers=3)``); nothing preempts
+  on-demand nodes, so it is run once and is the baseline of every trace.
+- ``ray_train_spot``: ``ray.train.torch.TorchTrainer(scaling_config=ScalingConfig(
+  num_workers=(2, 3), resources_per_worker={"CPU": 1, "node_type:spot": 1}))``: Ray Train's
+  elastic mode; its autoscaling coordinator asks Ray's autoscaler for the spot nodes. Ray
+  Train has no on-demand fallback. ``FailureConfig(max_failures=-1)``,
+  ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.1`` as in the other benchmarks.
+
+The trace starts at each run's first training step (so every system meets the same
+preemptions at the same point of training, whatever its start-up time).
+
+What is measured, per run (all from files, none assumed):
+
+- ``cost_usd``: the cloud's bill, from ``cloud.history``: every worker node from its
+  ``launch`` to its ``preempted`` / ``terminated`` / shutdown, clipped to [``fit()`` called,
+  last sample trained], times its node type's price. The head node (no CPUs, the same for
+  all) is not billed. ``cost_per_1k_samples_usd`` = cost / (samples of the workload / 1000).
+- ``wall_s``: ``fit()`` called -> the last step of the workload logged by rank 0.
+- ``goodput``: ``raylastic report``'s definition (docs/report.md), computed the same way
+  for every system from rank 0's per-step log (``raylastic.testing.chaos_checks``).
+- ``samples_trained_again``: steps logged more than once (rolled back by a restore) x 48.
+- ``below_min_workers_s``: wall time not spent training in a group of >= ``min_workers``
+  (start-up, recoveries, and time training with fewer workers or none).
+
+Writes benchmarks/results/spot_economics.json and spot_economics.png. Usage:
+  python benchmarks/spot_economics.py                       # every trace, every system (~40 min)
+  python benchmarks/spot_economics.py --traces busy --systems raylastic_spot
+  python benchmarks/spot_economics.py --quick               # 2 epochs, calm + busy (smoke run)
+  python benchmarks/spot_economics.py --traces long --merge # into the existing JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from recovery import _runs  # noqa: E402  (this folder's recovery benchmark)
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+TRACES = ("calm", "busy", "drought", "long")
+SYSTEMS = ("raylastic_spot", "raylastic_on_demand", "ray_train_spot")
+WORK = {"n": 1200, "global_batch": 48, "micro_batch": 8, "seed": 0, "hidden": 64, "lr": 0.05,
+        "epochs": 10, "sample_sleep_s": 0.03, "checkpoint_every": 25, "dtype": "float32"}
+MIN_WORKERS, MAX_WORKERS = 2, 3
+FALLBACK_AFTER_S = 10.0
+
+
+# -- the cloud's bill ------------------------------------------------------------------------
+def bill(history: List[Dict[str, Any]], prices: Dict[str, float], t0: float, t1: float) -> Dict[str, Any]:
+    """Node-seconds and dollars per node type, each worker node billed from its ``launch``
+    (or ``node_up``) to its end (``preempted``, ``terminated``, ``provider_shutdown``),
+    clipped to ``[t0, t1]``. Also the cumulative cost at each billing change, for the plot."""
+    start: Dict[str, float] = {}
+    end: Dict[str, float] = {}
+    kind: Dict[str, str] = {}
+    shutdown = None
+    for e in history:
+        nid, ev = e.get("node_id"), e["event"]
+        if ev == "provider_shutdown":
+            shutdown = e["ts"]
+        if not nid or e.get("node_type") not in prices:
+            continue
+        if ev in ("launch", "node_up"):
+            start.setdefault(nid, e["ts"])
+            kind[nid] = e["node_type"]
+        elif ev in ("preempted", "terminated"):
+            end.setdefault(nid, e["ts"])
+    seconds = {t: 0.0 for t in prices}
+    spans = []
+    for nid, s in start.items():
+        e = end.get(nid, shutdown if shutdown is not None else t1)
+        a, b = max(s, t0), min(e, t1)
+        if b > a:
+            seconds[kind[nid]] += b - a
+            spans.append((a, b, prices[kind[nid]] / 3600.0))
+    usd = {t: seconds[t] * prices[t] / 3600.0 for t in prices}
+    return {"node_s": {t: round(v, 1) for t, v in seconds.items()},
+            "usd": {t: round(v, 6) for t, v in usd.items()}, "total_usd": round(sum(usd.values()), 6),
+            "curve": _cost_curve(spans, t0, t1)}
+
+
+def _cost_curve(spans, t0: float, t1: float, points: int = 120) -> List[List[float]]:
+    """Cumulative cost at ``points`` times in [t0, t1]: [seconds since t0, usd]."""
+    out = []
+    for i in range(points + 1):
+        t = t0 + (t1 - t0) * i / points
+        out.append([round(t - t0, 2), round(sum(rate * max(0.0, min(b, t) - a) for a, b, rate in spans), 7)])
+    return out
+
+
+# -- what a step log says --------------------------------------------------------------------
+def below_min_s(steps: List[Dict[str, Any]], t_start: float, t_end: float, min_workers: int) -> float:
+    """Wall time in [t_start, t_end] not covered by consecutive steps of one group of at
+    least ``min_workers`` (a step's time is the time since the previous step of its group)."""
+    covered, prev = 0.0, {}
+    for r in sorted(steps, key=lambda r: r["t"]):
+        if r["group"] in prev and r["world"] >= min_workers:
+            covered += r["t"] - prev[r["group"]]
+        prev[r["group"]] = r["t"]
+    return round(max(0.0, (t_end - t_start) - covered), 2)
+
+
+def samples_curve(steps: List[Dict[str, Any]], t0: float, global_batch: int) -> List[List[float]]:
+    """[seconds since t0, samples in the model as restored] for every step row."""
+    return [[round(r["t"] - t0, 2), r["step"] * global_batch] for r in sorted(steps, key=lambda r: r["t"])]
+
+
+# -- one run -----------------------------------------------------------------------------------
+def run_one(system: str, trace_name: Optional[str], work: Dict[str, Any], root: str,
+            fit_timeout_s: float) -> Dict[str, Any]:
+    from raylastic.sim import SpotCloud, shipped_trace
+    from raylastic.testing.chaos import read_jsonl
+    from raylastic.testing.chaos_checks import goodput_from_steps, group_starts
+    from raylastic.testing.faults import FitThread
+
+    name = f"{system}-{trace_name or 'none'}"
+    log_dir = os.path.join(root, name, "log")
+    os.makedirs(log_dir)
+    stop = os.path.join(root, name, "stop")
+    cfg = dict(work, log_dir=log_dir, stop_path=stop)
+    per_epoch = -(-work["n"] // work["global_batch"])
+    total_steps = work["epochs"] * per_epoch
+    samples = total_steps * work["global_batch"]
+    capacity = {"spot": 0, "on_demand": MAX_WORKERS} if system == "raylastic_on_demand" else None
+    out: Dict[str, Any] = {"system": system, "trace": trace_name, "samples": samples}
+    with SpotCloud(capacity=capacity) as cloud:
+        prices = {n: t.price_usd_per_hour for n, t in cloud.node_types.items()}
+        th = FitThread(_trainer(system, cfg, cloud, os.path.join(root, name, "runs")))
+        t_start = time.time()
+        th.start()
+        steps_path = os.path.join(log_dir, "steps.jsonl")
+        deadline = time.monotonic() + 300
+        while not read_jsonl(steps_path) and th.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        t_first = time.time()
+        if trace_name is not None and th.is_alive():
+            cloud.start_trace(shipped_trace(trace_name))
+        th.join(fit_timeout_s)
+        finished = not th.is_alive()
+        if not finished:  # the stop flag: rank 0 logs the step it is on and the group returns
+            open(stop, "w").close()
+            th.join(120)
+        steps = read_jsonl(steps_path)
+        done = [r for r in steps if r["step"] >= total_steps]
+        t_end = min(r["t"] for r in done) if done else (steps[-1]["t"] if steps else time.time())
+        history = cloud.history
+        out["bill"] = bill(history, prices, t_start, t_end)
+    out["finished"] = finished and bool(done)
+    out["error"] = repr(th.error) if th.error is not None else None
+    final_step = max((r["step"] for r in steps), default=0)
+    trained = min(final_step, total_steps) * work["global_batch"]
+    out["samples_trained"] = trained
+    out["wall_s"] = round(t_end - t_start, 2)
+    out["first_step_after_s"] = round(t_first - t_start, 2)
+    out["cost_usd"] = out["bill"]["total_usd"]
+    out["cost_per_1k_samples_usd"] = round(out["cost_usd"] / (trained / 1000.0), 6) if trained else None
+    kept = [r for r in steps if r["t"] <= t_end]
+    out["goodput"] = goodput_from_steps(kept, t_start, t_end, group_starts(log_dir))["goodput"]
+    out["samples_trained_again"] = (len(kept) - len({r["step"] for r in kept})) * work["global_batch"]
+    out["below_min_workers_s"] = below_min_s(kept, t_start, t_end, MIN_WORKERS)
+    out["world_sizes"] = _runs([r["world"] for r in kept])
+    out["groups"] = len({r["group"] for r in kept})
+    out["samples_curve"] = samples_curve(kept, t_start, work["global_batch"])[::2]
+    out["cloud_events"] = _cloud_summary(history)
+    if system.startswith("raylastic") and th.result is not None:
+        from raylastic.reporting import build_report, load_run
+
+        data = load_run(th.result.path)
+        rep = build_report(data.events, data.metrics, None)
+        out["raylastic_report"] = {"goodput": rep.goodput, "cost_usd": rep.cost_usd,
+                                   "on_demand_cost_usd": rep.on_demand_cost_usd,
+                                   "recoveries": len(rep.recoveries), "resizes": len(rep.resizes)}
+        out["restores"] = [[e["source"], e["index"]] for e in data.events if e["kind"] == "checkpoint_restored"]
+    return out
+
+
+def _trainer(system: str, cfg: Dict[str, Any], cloud, storage: str):
+    if system.startswith("raylastic"):
+        from raylastic import CheckpointConfig, ElasticTrainer, FailureConfig, RunConfig, ScalingConfig
+        from raylastic.policies.capacity import CapacityPolicy
+        from raylastic.testing.chaos_train import chaos_elastic
+
+        if system == "raylastic_spot":
+            policy = CapacityPolicy(prefer="spot", fallback_after_s=FALLBACK_AFTER_S, max_on_demand_workers=2,
+                                    max_wait_s=600, prices=cloud.prices())
+        else:
+            policy = CapacityPolicy(prefer="on_demand", max_on_demand_workers=MAX_WORKERS, max_wait_s=600,
+                                    prices=cloud.prices())
+        return ElasticTrainer(
+            chaos_elastic, train_loop_config=cfg,
+            scaling_config=ScalingConfig(min_workers=MIN_WORKERS, max_workers=MAX_WORKERS, capacity=policy,
+                                         validate_resources=False),
+            run_config=RunConfig(name="spot", storage_path=storage, verbose=False, progress=False,
+                                 tensorboard=False, failure_config=FailureConfig(max_failures=20),
+                                 checkpoint_config=CheckpointConfig(persist_every=cfg["checkpoint_every"],
+                                                                    num_to_keep=2)))
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from raylastic.testing.chaos_train import chaos_ray_train
+
+    return TorchTrainer(
+        chaos_ray_train, train_loop_config=cfg,
+        scaling_config=ray.train.ScalingConfig(num_workers=(MIN_WORKERS, MAX_WORKERS),
+                                               resources_per_worker={"CPU": 1, "node_type:spot": 1}),
+        run_config=ray.train.RunConfig(name="spot_ray_train", storage_path=storage,
+                                       failure_config=ray.train.FailureConfig(max_failures=-1)))
+
+
+def _cloud_summary(history: List[Dict[str, Any]]) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for e in history:
+        if e["event"] in ("launch", "preempted", "terminated", "notice", "launch_refused"):
+            key = f"{e['event']}:{e.get('node_type')}"
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+# -- summary and plot ------------------------------------------------------------------------
+def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
+    """Per trace: each system's headline numbers and the ratios the targets are about."""
+    od = results.get("baseline_on_demand")
+    table = {}
+    for trace, runs in results.get("traces", {}).items():
+        row: Dict[str, Any] = {}
+        for system, r in runs.items():
+            row[system] = {k: r.get(k) for k in ("cost_per_1k_samples_usd", "wall_s", "goodput",
+                                                 "samples_trained_again", "below_min_workers_s", "finished")}
+        rl = runs.get("raylastic_spot", {}).get("cost_per_1k_samples_usd")
+        rt = runs.get("ray_train_spot", {}).get("cost_per_1k_samples_usd")
+        base = od.get("cost_per_1k_samples_usd") if od else None
+        row["raylastic_spot_vs_on_demand"] = round(rl / base, 3) if rl and base else None
+        row["raylastic_spot_vs_ray_train"] = round(rl / rt, 3) if rl and rt else None
+        if od:
+            row["raylastic_on_demand"] = {k: od.get(k) for k in row.get("raylastic_spot", {})}
+        table[trace] = row
+    return table
+
+
+def plot(results: Dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(results.get("traces", {}))
+    if not traces:
+        return
+    colors = {"raylastic_spot": "tab:blue", "raylastic_on_demand": "tab:green", "ray_train_spot": "tab:orange"}
+    fig, axes = plt.subplots(2, len(traces), figsize=(4.2 * len(traces), 7.5), squeeze=False)
+    for j, trace in enumerate(traces):
+        runs = dict(results["traces"][trace])
+        if results.get("baseline_on_demand"):
+            runs["raylastic_on_demand"] = results["baseline_on_demand"]
+        for system, r in runs.items():
+            c = colors.get(system, "grey")
+            if r.get("samples_curve"):
+                t, s = zip(*r["samples_curve"])
+                axes[0][j].plot(t, s, color=c, lw=1.2, label=system)
+            curve = r.get("bill", {}).get("curve")
+            if curve and r.get("samples_curve"):
+                # cumulative cost against the samples in the model at the same time
+                import bisect
+                ts = [p[0] for p in r["samples_curve"]]
+                xs = [r["samples_curve"][max(0, bisect.bisect_right(ts, t) - 1)][1] if ts and t >= ts[0] else 0
+                      for t, _usd in curve]
+                axes[1][j].plot(xs, [usd for _t, usd in curve], color=c, lw=1.2, label=system)
+        axes[0][j].set_title(f"trace: {trace}")
+        axes[0][j].set_xlabel("seconds since fit()")
+        axes[0][j].set_ylabel("samples in the model")
+        axes[1][j].set_xlabel("samples in the model")
+        axes[1][j].set_ylabel("cumulative cost (USD)")
+        axes[0][j].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--traces", nargs="+", choices=TRACES, default=list(TRACES))
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--epochs", type=int, default=WORK["epochs"])
+    p.add_argument("--quick", action="store_true", help="2 epochs, calm and busy only")
+    p.add_argument("--fit-timeout-s", type=float, default=900.0)
+    p.add_argument("--merge", action="store_true", help="update the existing JSON instead of replacing it")
+    p.add_argument("--out", default=os.path.join(RESULTS, "spot_economics.json"))
+    args = p.parse_args()
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+    work = dict(WORK, epochs=2 if args.quick else args.epochs)
+    traces = ["calm", "busy"] if args.quick else args.traces
+    results: Dict[str, Any] = {}
+    if args.merge and os.path.exists(args.out):
+        with open(args.out, encoding="utf-8") as fh:
+            results = json.load(fh)
+        if results.get("work") != work:
+            sys.exit(f"--merge: {args.out} was measured with another workload {results.get('work')}")
+    results.update({
+        "benchmark": "spot_economics", "work": work, "min_workers": MIN_WORKERS, "max_workers": MAX_WORKERS,
+        "prices_usd_per_hour": {"spot": 0.30, "on_demand": 1.00}, "fallback_after_s": FALLBACK_AFTER_S,
+        "machine": f"{platform.node()} ({os.cpu_count()} CPUs)",
+        "ray_train_env": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]},
+        "command": " ".join(["python", "benchmarks/spot_economics.py"] + sys.argv[1:]),
+    })
+    results.setdefault("traces", {})
+    root = tempfile.mkdtemp(prefix="raylastic-spot-econ-")
+
+    def save():
+        results["summary"] = summarize(results)
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=1)
+        plot(results, os.path.splitext(args.out)[0] + ".png")
+
+    if "raylastic_on_demand" in args.systems:
+        print("== raylastic_on_demand (no trace: nothing preempts on-demand nodes)", flush=True)
+        results["baseline_on_demand"] = run_one("raylastic_on_demand", None, work, root, args.fit_timeout_s)
+        _print(results["baseline_on_demand"])
+        save()
+    for trace in traces:
+        for system in (s for s in args.systems if s != "raylastic_on_demand"):
+            print(f"== {system} on trace {trace}", flush=True)
+            r = run_one(system, trace, work, root, args.fit_timeout_s)
+            results["traces"].setdefault(trace, {})[system] = r
+            _print(r)
+            save()
+    print(json.dumps(results["summary"], indent=1))
+
+
+def _print(r: Dict[str, Any]) -> None:
+    keys = ("system", "trace", "finished", "wall_s", "cost_usd", "cost_per_1k_samples_usd", "goodput",
+            "samples_trained_again", "below_min_workers_s", "world_sizes", "error")
+    print(json.dumps({k: r.get(k) for k in keys}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
