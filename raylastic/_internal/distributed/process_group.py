@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import socket
-from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -40,9 +40,47 @@ def host_store(host: str, world_size: int, timeout_s: float) -> int:
     return _store.port
 
 
+class JoinCancelled(RuntimeError):
+    """A join given up before it blocked in ``init_process_group`` (a newer one was asked for)."""
+
+
+# How often a rank waiting at the roll call checks whether its join was given up.
+ROLL_CALL_SLICE_S = 0.2
+
+
+def roll_call(store, rank: int, world_size: int, timeout_s: float,
+              cancelled: Optional[Callable[[], bool]] = None) -> None:
+    """Wait until every rank of the group has arrived (each sets ``rollcall/<rank>``),
+    checking ``cancelled`` at least every ``ROLL_CALL_SLICE_S / 4``.
+
+    Why: ``init_process_group`` waits in C++ for every rank's address until the group
+    timeout and cannot be interrupted. When the controller gives up on a group because a
+    chosen member died before it arrived, the others would sit there for the whole
+    timeout and hold up the next group. Waiting here first, in slices, lets them leave
+    at once (``JoinCancelled``); what remains is the short window between everyone's
+    arrival and the end of gloo's connect."""
+    import time
+
+    store.set(f"rollcall/{rank}", b"1")
+    keys = [f"rollcall/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    # check() does not block (store.wait with a short timeout would log a C++ warning per slice)
+    while not store.check(keys):
+        if cancelled is not None and cancelled():
+            raise JoinCancelled(f"rank {rank}: join given up at the roll call")
+        if time.monotonic() >= deadline:
+            missing = [r for r in range(world_size) if not store.check([f"rollcall/{r}"])]
+            raise TimeoutError(f"rank {rank}: ranks {missing} did not arrive within {timeout_s:g} s")
+        time.sleep(pause)
+        pause = min(ROLL_CALL_SLICE_S / 4, pause * 2)
+
+
 def init_group(*, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int,
-               backend: str, timeout_s: float, local_rank: int, local_world_size: int) -> None:
-    """Join the epoch's process group (blocks until every rank joined or timeout)."""
+               backend: str, timeout_s: float, local_rank: int, local_world_size: int,
+               cancelled: Optional[Callable[[], bool]] = None) -> None:
+    """Join the epoch's process group (blocks until every rank joined or timeout, or
+    until ``cancelled()`` while ranks are still missing: ``JoinCancelled``)."""
     global _group_conns
     destroy_group()
     before = set(_socket_fds().values())
@@ -52,6 +90,7 @@ def init_group(*, epoch: int, rank: int, world_size: int, master_addr: str, mast
     else:
         store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(f"raylastic/epoch-{epoch}", store)
+    roll_call(prefixed, rank, world_size, timeout_s, cancelled)
     os.environ.update(
         MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),

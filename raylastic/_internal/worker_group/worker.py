@@ -113,6 +113,7 @@ class TrainWorker:
             master_addr=spec.master_addr, master_port=spec.master_port, backend=spec.backend,
             timeout_s=spec.timeout_s, local_rank=spec.local_rank,
             local_world_size=spec.local_world_size,
+            cancelled=lambda: spec.epoch < self._join_epoch,  # a newer join was asked for
         )
 
     def teardown_group(self) -> None:
