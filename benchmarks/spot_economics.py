@@ -330,6 +330,9 @@ def main() -> None:
         "ray_train_env": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]},
         "command": " ".join(["python", "benchmarks/spot_economics.py"] + sys.argv[1:]),
     })
+    # every invocation that wrote into this file, oldest first (a --merge replaces rows)
+    results.setdefault("commands", []).append({"command": results["command"], "started": time.strftime(
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "traces": traces, "systems": list(args.systems)})
     results.setdefault("traces", {})
     root = tempfile.mkdtemp(prefix="raylastic-spot-econ-")
 
