@@ -243,8 +243,12 @@ def test_ctrl_c_is_seen_within_a_second_during_a_graceful_stop(local_cluster, re
 
     script = tmp_path / "ctrlc.py"
     script.write_text(_CTRL_C_SCRIPT)
+    # SIGINT's default disposition in the driver, as in a terminal: a suite started in the
+    # background by a non-interactive shell (`make test &`) inherits SIGINT ignored, and a
+    # Python started with SIGINT ignored never raises KeyboardInterrupt.
     proc = subprocess.Popen([sys.executable, str(script), local_cluster.address, run_dir],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     victim = None
     try:
         w = RunWatcher(os.path.join(run_dir, "ctrlc"))
