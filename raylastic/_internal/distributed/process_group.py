@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import time
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
@@ -59,8 +60,6 @@ def roll_call(store, rank: int, world_size: int, timeout_s: float,
     timeout and hold up the next group. Waiting here first, in slices, lets them leave
     at once (``JoinCancelled``); what remains is the short window between everyone's
     arrival and the end of gloo's connect."""
-    import time
-
     store.set(f"rollcall/{rank}", b"1")
     keys = [f"rollcall/{r}" for r in range(world_size)]
     deadline = time.monotonic() + timeout_s

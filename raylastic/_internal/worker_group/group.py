@@ -248,7 +248,8 @@ class WorkerGroup:
                 raise  # a member could not join and none is gone: not a loss, the run's error
             # A survivor's rendezvous can fail (a peer gone mid-join) or still be waiting on
             # a gone member: either way the group is formed again without the gone ones. A
-            # survivor's stale join gives up at its own timeout, in its own actor thread.
+            # survivor's stale join leaves at its roll call as soon as the next join is
+            # asked for (process_group.roll_call).
             for h in members:
                 if h.wid in dead:
                     self.remove(h)
