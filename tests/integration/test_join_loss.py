@@ -25,13 +25,8 @@ JOIN_DELAY_S = 3.0
 
 @pytest.fixture(scope="module")
 def slow_join_cluster():
-    with slow_joins(JOIN_DELAY_S):
-        cluster = LocalCluster(num_nodes=3)
-        cluster.start()
-    try:
+    with slow_joins(JOIN_DELAY_S), LocalCluster(num_nodes=3) as cluster:
         yield cluster
-    finally:
-        cluster.shutdown()
 
 
 def test_member_lost_while_joining_is_dropped_and_the_group_forms_from_the_others(slow_join_cluster, run_dir,

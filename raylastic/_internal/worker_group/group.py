@@ -201,10 +201,7 @@ class WorkerGroup:
         return done, pending
 
     def _get(self, ref: Any, timeout_s: float) -> Any:
-        done, _ = self._wait([ref], timeout_s)
-        if not done:
-            raise GetTimeoutError(f"no answer within {timeout_s} s")
-        return ray.get(ref)
+        return self._get_all([ref], timeout_s)[0]
 
     def _get_all(self, refs: List[Any], timeout_s: float) -> List[Any]:
         """Every answer, or the first error as soon as it arrives: a member that died

@@ -104,7 +104,7 @@ class TrainWorker:
             time.sleep(delay)
         with self._join_lock:
             if spec.epoch < self._join_epoch:
-                raise RuntimeError(f"join of epoch {spec.epoch} superseded by epoch {self._join_epoch}")
+                raise process_group.JoinCancelled(f"join of epoch {spec.epoch} superseded by epoch {self._join_epoch}")
             self._init_group(spec)
 
     def _init_group(self, spec: GroupSpec) -> None:
