@@ -83,8 +83,10 @@ def main() -> None:
     name = f"digits-spot-{int(time.time())}"
     stop_file = os.path.join(storage, name + ".stop")
     with SpotCloud(capacity={"spot": 3, "on_demand": 2}) as cloud:
-        policy = CapacityPolicy(prefer="spot", fallback_after_s=10, max_on_demand_workers=2,
-                                max_wait_s=180, prices=cloud.prices())
+        # objective="time" fills the drought with on-demand (what the demo shows); the default,
+        # "cost", would wait for spot here: docs/spot.md
+        policy = CapacityPolicy(prefer="spot", objective="time", fallback_after_s=10,
+                                max_on_demand_workers=2, max_wait_s=180, prices=cloud.prices())
         trainer = ElasticTrainer(
             train_func,
             train_loop_config={"stop_file": stop_file, "step_sleep_s": 0.05},

@@ -31,6 +31,7 @@ class EventKind(str, enum.Enum):
     WORKER_LOST = "worker_lost"  # actor died (node loss, preemption, crash)
     PREEMPTION_NOTICE = "preemption_notice"  # a member's node is draining (deadline known)
     WORKER_RELEASED = "worker_released"  # run ended; the worker's slot is given back
+    NODE_GONE = "node_gone"  # a node the run had held left the cluster (billing ends here)
     GROUP_FORMED = "group_formed"  # new membership epoch, ranks assigned
     TRAINING_STARTED = "training_started"  # train function entered on every rank
     FIRST_STEP = "first_step"  # first report of an epoch received

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Callable, Dict, List, Optional
@@ -107,6 +108,11 @@ class ElasticTrainer:
         ``InsufficientCapacityError``, ``TrainingAborted``) unless
         ``raise_on_error=False``, in which case it is in ``Result.error``.
         """
+        fit_ts = time.time()  # a capacity deadline counts from here
+        cap = self._scaling.capacity
+        if cap is not None and cap.deadline_s is not None and self._run.total_steps is None:
+            raise ConfigError("CapacityPolicy.deadline_s needs the run's length to plan for it: set "
+                              "RunConfig.total_steps (the number of reports the run makes)")
         storage = Storage(self._run.storage_path, retry=self._run.storage_retry)  # bad URIs/credentials fail here
         try:  # a bad RAYLASTIC_PREEMPTION_SOURCES fails here, not in every worker
             sources_from_env()
@@ -129,16 +135,18 @@ class ElasticTrainer:
             plan = start_coordinators(resolve_datasets(self._datasets), self._split, {HEAD_RESOURCE: 0.001})
             train_func = WithDatasets(train_func, plan)
         try:
-            return self._fit(storage, controller_cls, train_func, raise_on_error)
+            return self._fit(storage, controller_cls, train_func, raise_on_error, fit_ts)
         finally:
             if plan is not None:
                 from raylastic.data.ray_data import stop_coordinators
 
                 stop_coordinators(plan)
 
-    def _fit(self, storage: Storage, controller_cls, train_func: Callable, raise_on_error: bool) -> Result:
+    def _fit(self, storage: Storage, controller_cls, train_func: Callable, raise_on_error: bool,
+             fit_ts: Optional[float] = None) -> Result:
         controller = controller_cls.remote(
             train_func, self._config, self._scaling, self._run, storage, self._name, self._name,
+            fit_ts=fit_ts,
         )
         run_ref = controller.run.remote()
         progress = ProgressLine(enabled=self._run.progress, total_steps=self._run.total_steps)

@@ -4,64 +4,56 @@ Pure: a frozen :class:`CapacitySnapshot` and the :class:`CapacityState` returned
 previous call go in; a :class:`CapacityStep` (one decision + the next state) comes out. No
 Ray, no clock, no I/O, so every rule is unit-tested in milliseconds.
 
-Rules (``prefer="spot"``), checked every tick in this order:
+``prefer="spot"`` asks the autoscaler for ``max_workers`` spot slots and adds on-demand
+slots by the ``objective`` (the arithmetic is in :mod:`raylastic.policies.objective`):
 
-1. Fewer than ``min_workers`` worker slots ready (spot + on-demand) for ``max_wait_s``:
-   :class:`GiveUp` (a ``Raise`` like the other policies' give-up decision; its
-   ``error()`` is the :class:`CapacityTimeoutError` the run ends with).
-2. ``return_to_spot`` and spare ready spot slots while on-demand workers are in the group:
-   at a checkpoint boundary, :class:`MigrateToSpot` (swap on-demand workers for spot ones).
+- ``"cost"`` (the default: it was cheapest per sample on every trace of
+  ``benchmarks/spot_economics.py`` and, there, never slower than Ray Train): on-demand only
+  while spot alone is below ``min_workers`` and filling that gap is cheaper per sample than
+  waiting (:func:`~raylastic.policies.objective.cost_fill`), or once spot has been below
+  ``min_workers`` for ``spot_wait_s``. Never past ``min_workers``.
+- ``"time"``: once spot has been short (ready spot < ``max_workers``) for
+  ``fallback_after_s``, on-demand for the whole shortfall, up to ``max_on_demand_workers``.
+- ``deadline_s`` (with either objective): on-demand as the deadline planner asks
+  (:func:`~raylastic.policies.objective.deadline_need`); :class:`DeadlineUnreachable`
+  ends the run early when no plan can make it.
+
+Checked every tick, in this order:
+
+1. Fewer than ``min_workers`` slots ready (any type) for ``max_wait_s``: :class:`GiveUp`.
+   The deadline reported unreachable for ``unreachable_after_s``: :class:`DeadlineUnreachable`.
+2. More on-demand workers in the group than wanted (spot is back, the deadline has slack
+   again) and the group stays >= ``min_workers`` without them: at a checkpoint boundary,
+   :class:`MigrateToSpot` (re-form with ready spot workers in their place, or without them).
 3. The standing autoscaler request should change: :class:`RequestCapacity`, or
-   :class:`ReleaseOnDemand` when it drops on-demand slots. The wanted request is
-   ``max_workers`` spot slots (the autoscaler keeps trying spot) plus, once spot has been
-   short (ready spot < ``max_workers``) for ``fallback_after_s``, on-demand slots for the
-   shortfall, at most ``max_on_demand_workers``. On-demand workers still in the group stay
-   requested until they have been migrated away. With ``return_to_spot=False`` the spot
-   target is ``max_workers`` minus the on-demand workers kept.
+   :class:`ReleaseOnDemand` when it drops on-demand slots. On-demand workers still in the
+   group stay requested until they have been migrated away.
 4. Otherwise :class:`Noop`.
 
 ``prefer="on_demand"`` requests ``min(max_workers, max_on_demand_workers)`` on-demand slots
-and no spot: the baseline to compare cost against.
-
-Driving it from a controller loop (every ~0.5 s)::
-
-    from ray.autoscaler.sdk import request_resources
-
-    policy = CapacityPolicy(prefer="spot", fallback_after_s=120, max_on_demand_workers=2,
-                            max_wait_s=900,
-                            prices=PriceTable.from_mapping({"spot": 0.9, "on_demand": 3.0}))
-    policy.validate_scaling(min_workers=2, max_workers=4)     # before taking resources
-    event_log.append(policy.to_record())                       # config + prices
-    state, requested = CapacityState(), {}
-    while not finished:
-        snap = CapacitySnapshot(
-            now_s=time.monotonic(), min_workers=2, max_workers=4,
-            ready=inventory.ready_slots_by_node_type(),   # excludes draining nodes
-            in_group=group.workers_by_node_type(),
-            requested=requested,
-            at_checkpoint_boundary=checkpoints.just_committed())
-        step = policy.decide(snap, state)
-        state, d = step.state, step.decision
-        if isinstance(d, GiveUp):
-            raise d.error()
-        if isinstance(d, (RequestCapacity, ReleaseOnDemand)):
-            request_resources(**policy.request_args(d.counts))   # replaces the old request
-            requested = dict(d.counts)
-        elif isinstance(d, MigrateToSpot):
-            group.reconfigure(d.target)          # new epoch, from the checkpoint just saved
-        if not isinstance(d, Noop):
-            event_log.append(d.to_event())
-        time.sleep(0.5)
+and no spot: the baseline to compare cost against. The controller drives the policy every
+0.5 s (``raylastic._internal.cluster.capacity_driver``) and logs every decision that is not
+a ``Noop`` with its reason and ``numbers``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from raylastic.policies.base import Noop, Raise
+from raylastic.policies.base import Noop
+from raylastic.policies.capacity_decisions import (  # noqa: F401 - re-exported
+    CapacityDecision,
+    CapacityPhase,
+    CapacityTimeoutError,
+    DeadlineUnreachable,
+    DeadlineUnreachableError,
+    GiveUp,
+    MigrateToSpot,
+    ReleaseOnDemand,
+    RequestCapacity,
+)
 from raylastic.policies.node_types import (
     DEFAULT_NODE_TYPES,
     Market,
@@ -69,110 +61,7 @@ from raylastic.policies.node_types import (
     PriceTable,
     UnknownNodeTypeError,
 )
-
-
-class CapacityTimeoutError(RuntimeError):
-    """Fewer than ``min_workers`` worker slots were available for ``max_wait_s``."""
-
-    def __init__(self, *, max_wait_s: float, waited_s: float, available: int,
-                 min_workers: int, ready: Optional[Mapping[str, int]] = None,
-                 max_on_demand_workers: Optional[int] = None) -> None:
-        self.max_wait_s = max_wait_s
-        self.waited_s = waited_s
-        self.available = available
-        self.min_workers = min_workers
-        self.ready = dict(ready or {})
-        self.max_on_demand_workers = max_on_demand_workers
-        super().__init__(
-            f"only {available} of min_workers={min_workers} worker slots available for "
-            f"{waited_s:.1f} s (max_wait_s={max_wait_s}); ready by node type: {self.ready}. "
-            "Likely causes: a spot drought with too few on-demand workers allowed "
-            f"(max_on_demand_workers={max_on_demand_workers}), node types' max_workers in "
-            "the cluster config too low, or no autoscaler running. Fix: raise max_wait_s "
-            "or max_on_demand_workers, or lower min_workers."
-        )
-
-    def __reduce__(self):
-        return (_rebuild_timeout, (self.max_wait_s, self.waited_s, self.available,
-                                   self.min_workers, self.ready, self.max_on_demand_workers))
-
-
-def _rebuild_timeout(max_wait_s, waited_s, available, min_workers, ready, max_od):
-    return CapacityTimeoutError(max_wait_s=max_wait_s, waited_s=waited_s, available=available,
-                                min_workers=min_workers, ready=ready,
-                                max_on_demand_workers=max_od)
-
-
-class CapacityPhase(str, Enum):
-    """Where the policy stands (informational: logged with decisions, asserted in tests)."""
-
-    SPOT = "spot"                      # spot covers max_workers, no on-demand in use
-    SPOT_SHORT = "spot_short"          # spot short, fallback_after_s not reached yet
-    FALLBACK = "fallback"              # on-demand requested or in use
-    RETURNING = "returning"            # spot is back; on-demand waits to be migrated/released
-    ON_DEMAND_ONLY = "on_demand_only"  # prefer="on_demand"
-
-
-@dataclass(frozen=True, kw_only=True)
-class RequestCapacity:
-    """Replace the standing autoscaler request with ``counts`` worker slots per node type."""
-
-    counts: Dict[str, int]
-    reason: str
-
-    def to_event(self) -> Dict[str, Any]:
-        return {"kind": "capacity.request", "counts": dict(self.counts), "reason": self.reason}
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReleaseOnDemand:
-    """Drop ``workers`` on-demand slots from the request; ``counts`` is the new request."""
-
-    workers: int
-    counts: Dict[str, int]
-    reason: str
-
-    def to_event(self) -> Dict[str, Any]:
-        return {"kind": "capacity.release_on_demand", "workers": self.workers,
-                "counts": dict(self.counts), "reason": self.reason}
-
-
-@dataclass(frozen=True, kw_only=True)
-class MigrateToSpot:
-    """At this checkpoint boundary, re-form the group as ``target`` workers per node type,
-    moving ``workers`` of them from on-demand to spot."""
-
-    workers: int
-    target: Dict[str, int]
-    reason: str
-
-    def to_event(self) -> Dict[str, Any]:
-        return {"kind": "capacity.migrate_to_spot", "workers": self.workers,
-                "target": dict(self.target), "reason": self.reason}
-
-
-@dataclass(frozen=True)
-class GiveUp(Raise):
-    """Fewer than ``min_workers`` slots for ``max_wait_s``: end the run with ``error()``."""
-
-    max_wait_s: float
-    waited_s: float
-    available: int
-    min_workers: int
-    ready: Mapping[str, int]
-    max_on_demand_workers: Optional[int]
-
-    def error(self) -> CapacityTimeoutError:
-        return CapacityTimeoutError(max_wait_s=self.max_wait_s, waited_s=self.waited_s,
-                                    available=self.available, min_workers=self.min_workers,
-                                    ready=self.ready, max_on_demand_workers=self.max_on_demand_workers)
-
-    def to_event(self) -> Dict[str, Any]:
-        return {"kind": "capacity.give_up", "waited_s": self.waited_s, "available": self.available,
-                "reason": self.reason}
-
-
-CapacityDecision = Union[Noop, RequestCapacity, ReleaseOnDemand, MigrateToSpot, GiveUp]
+from raylastic.policies.objective import Objective, OnDemandPlan, WorkProgress, cost_fill, deadline_need
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +81,7 @@ class CapacitySnapshot:
     in_group: Mapping[str, int] = field(default_factory=dict)
     requested: Mapping[str, int] = field(default_factory=dict)
     at_checkpoint_boundary: bool = False
+    progress: Optional[WorkProgress] = None  # for the cost and deadline rules
 
     def __post_init__(self) -> None:
         if not (isinstance(self.now_s, (int, float)) and math.isfinite(self.now_s)):
@@ -216,6 +106,8 @@ class CapacityState:
 
     spot_short_since_s: Optional[float] = None
     below_min_since_s: Optional[float] = None
+    spot_low_since_s: Optional[float] = None  # ready spot < min_workers since (cost rule)
+    unreachable_since_s: Optional[float] = None  # deadline reported unreachable since
 
 
 @dataclass(frozen=True)
@@ -229,21 +121,40 @@ class CapacityStep:
 class CapacityPolicy:
     """Spot/on-demand capacity configuration and decision rule (see the module docstring).
 
-    - ``prefer``: ``"spot"`` (fall back to on-demand) or ``"on_demand"`` (on-demand only).
-    - ``fallback_after_s``: how long spot must stay short (ready spot slots < max_workers,
-      node boot time included) before on-demand is requested.
+    - ``prefer``: ``"spot"`` (on-demand as the objective says) or ``"on_demand"`` (only).
+    - ``objective``: ``"cost"`` (cheapest per trained sample, the default) or ``"time"``
+      (fill any spot shortfall with on-demand, up to ``max_workers``).
+    - ``deadline_s``: seconds from ``fit()`` by which the run must finish its
+      ``RunConfig.total_steps``; on-demand is added only as much and as long as the
+      deadline needs. ``deadline_margin``: the safety margin, a fraction of
+      ``deadline_s``. ``on_demand_boot_s``: how long a new node takes to join.
+    - ``fallback_after_s``: how long spot must stay short before on-demand is requested
+      (``"time"``: short of ``max_workers``; ``"cost"``: below ``min_workers``).
+    - ``spot_wait_s`` (``"cost"``): below ``min_workers`` on spot this long, fill to
+      ``min_workers`` with on-demand even when waiting looks cheaper (spot may not return);
+      None: half of ``max_wait_s``.
+    - ``fixed_usd_per_hour``: what the run pays per hour whatever its size (head node,
+      licences): makes finishing sooner worth something to the cost rule.
     - ``max_on_demand_workers``: cap on on-demand slots; ``None`` means up to max_workers.
-    - ``return_to_spot``: move on-demand workers back to spot at a checkpoint boundary
-      once spot slots are ready, then release the on-demand request.
+    - ``return_to_spot``: move on-demand workers back to spot (or drop them) at a
+      checkpoint boundary once they are no longer wanted, then release them.
     - ``max_wait_s``: give up (:class:`CapacityTimeoutError`) when fewer than min_workers
       slots are ready for this long. Finite by design.
     - ``node_types``: exactly one spot and one on-demand :class:`NodeType`.
     - ``prices``: optional :class:`PriceTable`; when given it must price every node type
-      this policy can use (checked here, before any resources are taken).
+      this policy can use (checked here, before any resources are taken). The cost rule
+      needs it; without it spot is assumed cheaper and on-demand fills only after
+      ``spot_wait_s``.
     """
 
     prefer: Market = Market.SPOT
+    objective: Objective = Objective.COST
+    deadline_s: Optional[float] = None
+    deadline_margin: float = 0.1
+    on_demand_boot_s: float = 180.0
     fallback_after_s: float = 120.0
+    spot_wait_s: Optional[float] = None
+    fixed_usd_per_hour: float = 0.0
     max_on_demand_workers: Optional[int] = None
     return_to_spot: bool = True
     max_wait_s: float = 1800.0
@@ -252,10 +163,22 @@ class CapacityPolicy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefer", Market.parse(self.prefer, "CapacityPolicy.prefer"))
-        for name in ("fallback_after_s", "max_wait_s"):
+        object.__setattr__(self, "objective", Objective.parse(self.objective, "CapacityPolicy.objective"))
+        for name in ("fallback_after_s", "max_wait_s", "spot_wait_s", "on_demand_boot_s",
+                     "fixed_usd_per_hour", "deadline_margin"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"CapacityPolicy.{name}={v!r} must be a finite number of seconds")
+            if name == "spot_wait_s" and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+                    v < 0 and name not in ("fallback_after_s", "max_wait_s")):  # checked below
+                raise ValueError(f"CapacityPolicy.{name}={v!r} must be a finite number >= 0")
+        d = self.deadline_s
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float))
+                              or not math.isfinite(d) or d <= 0):
+            raise ValueError(f"CapacityPolicy.deadline_s={d!r} must be a number of seconds > 0, or None")
+        if self.deadline_margin >= 1:
+            raise ValueError(f"CapacityPolicy.deadline_margin={self.deadline_margin!r} is a fraction of "
+                             "deadline_s and must be < 1 (0.1 = finish 10% early)")
         if self.fallback_after_s < 0:
             raise ValueError(
                 f"CapacityPolicy.fallback_after_s ({self.fallback_after_s}) must be >= 0; "
@@ -269,11 +192,13 @@ class CapacityPolicy:
                 f"CapacityPolicy.max_on_demand_workers ({cap!r}) must be an int >= 0, or None "
                 "for up to max_workers"
             )
-        if self.prefer is Market.SPOT and cap != 0 and self.max_wait_s <= self.fallback_after_s:
+        wait_first = self.spot_wait_after_s if self.objective is Objective.COST else self.fallback_after_s
+        if self.prefer is Market.SPOT and cap != 0 and self.deadline_s is None and self.max_wait_s <= wait_first:
             raise ValueError(
-                f"CapacityPolicy.max_wait_s ({self.max_wait_s}) <= fallback_after_s "
-                f"({self.fallback_after_s}): the run would give up before trying on-demand; "
-                "raise max_wait_s or lower fallback_after_s"
+                f"CapacityPolicy.max_wait_s ({self.max_wait_s}) <= "
+                f"{'spot_wait_s' if self.objective is Objective.COST else 'fallback_after_s'} "
+                f"({wait_first}): the run would give up before trying on-demand; "
+                "raise max_wait_s or lower it"
             )
         if self.prefer is Market.ON_DEMAND and cap == 0:
             raise ValueError(
@@ -301,6 +226,11 @@ class CapacityPolicy:
                     f"got {of_market or 'none'}; pass node_types=(NodeType(name=..., "
                     "market='spot'), NodeType(name=..., market='on_demand'))"
                 )
+
+    @property
+    def spot_wait_after_s(self) -> float:
+        """``spot_wait_s``, or half of ``max_wait_s`` when unset."""
+        return self.max_wait_s / 2 if self.spot_wait_s is None else float(self.spot_wait_s)
 
     # -- lookups -----------------------------------------------------------------------
     def node_type(self, name: str) -> NodeType:
@@ -356,6 +286,9 @@ class CapacityPolicy:
         """The configuration as a plain record for the event log."""
         return {
             "kind": "capacity.config", "prefer": self.prefer.value,
+            "objective": self.objective.value, "deadline_s": self.deadline_s,
+            "deadline_margin": self.deadline_margin, "on_demand_boot_s": self.on_demand_boot_s,
+            "spot_wait_s": self.spot_wait_after_s, "fixed_usd_per_hour": self.fixed_usd_per_hour,
             "fallback_after_s": self.fallback_after_s,
             "max_on_demand_workers": self.max_on_demand_workers,
             "return_to_spot": self.return_to_spot, "max_wait_s": self.max_wait_s,
@@ -377,7 +310,7 @@ class CapacityPolicy:
         below_since = self._below_min_since(snap, state)
         if below_since is not None and snap.now_s - below_since >= self.max_wait_s:
             return CapacityStep(self._give_up(snap, snap.now_s - below_since),
-                                CapacityState(state.spot_short_since_s, below_since), self._phase_now(state))
+                                replace(state, below_min_since_s=below_since), self._phase_now(state))
         if self.prefer is Market.ON_DEMAND:
             od, M = self.on_demand.name, snap.max_workers
             want = {self.spot.name: 0, od: min(self._cap(M), M)}
@@ -385,6 +318,8 @@ class CapacityPolicy:
                                      f"worker(s) (max_workers={M}, max_on_demand_workers="
                                      f"{self.max_on_demand_workers})")
             return CapacityStep(d, CapacityState(None, below_since), CapacityPhase.ON_DEMAND_ONLY)
+        if self.deadline_s is not None and snap.progress is not None and snap.progress.total_steps is None:
+            raise ValueError("CapacityPolicy.deadline_s needs the run's length: set RunConfig.total_steps")
         return self._decide_spot(snap, state, below_since)
 
     def _cap(self, max_workers: int) -> int:
@@ -416,66 +351,111 @@ class CapacityPolicy:
 
     def _decide_spot(self, snap: CapacitySnapshot, state: CapacityState,
                      below_since: Optional[float]) -> CapacityStep:
-        sp, od, M = self.spot.name, self.on_demand.name, snap.max_workers
-        ready_s = snap.ready.get(sp, 0)
+        sp, od, M, m, now = self.spot.name, self.on_demand.name, snap.max_workers, snap.min_workers, snap.now_s
+        ready_s = min(snap.ready.get(sp, 0), M)
         grp_s, grp_d = snap.in_group.get(sp, 0), snap.in_group.get(od, 0)
-
         short = ready_s < (M if self.return_to_spot else M - grp_d)
-        since = state.spot_short_since_s if state.spot_short_since_s is not None else snap.now_s
-        short_since = since if short else None
-        new_state = CapacityState(short_since, below_since)
-        short_for = snap.now_s - short_since if short_since is not None else 0.0
-        fallback = short and short_for >= self.fallback_after_s
+        short_since = _since(state.spot_short_since_s, now) if short else None
+        low_since = _since(state.spot_low_since_s, now) if ready_s < m else None
+        plan, keep_d = self._plan(snap, ready_s, grp_d, short_since, low_since)
+        unreachable = _since(state.unreachable_since_s, now) if plan.unreachable else None
+        new_state = CapacityState(short_since, below_since, low_since, unreachable)
+        if unreachable is not None and now - unreachable >= max(1.0, 0.02 * (self.deadline_s or 0.0)):
+            return CapacityStep(DeadlineUnreachable(plan.reason, deadline_s=float(self.deadline_s or 0.0),
+                                                    numbers=plan.numbers), new_state, CapacityPhase.FALLBACK)
 
-        # Rule 2: move on-demand workers back to spot at a checkpoint boundary.
-        target_s = min(ready_s, M)
-        target_d = min(grp_d, M - target_s)
-        moves = grp_d - target_d
-        returning = self.return_to_spot and grp_d > 0 and target_s > grp_s and moves > 0
+        # Rule 2: on-demand workers no longer wanted leave the group at a checkpoint boundary.
+        target_s = min(ready_s, M - keep_d)
+        moves = grp_d - keep_d
+        shrink_ok = target_s > grp_s or (self.deadline_s is not None and target_s >= grp_s)
+        returning = (self.return_to_spot and moves > 0 and target_s + keep_d >= max(m, 1) and shrink_ok)
         if returning and snap.at_checkpoint_boundary:
             return CapacityStep(MigrateToSpot(
-                workers=moves, target={sp: target_s, od: target_d},
-                reason=f"spot capacity back ({ready_s} spot slot(s) ready, {grp_s} in use): "
-                       f"moving {moves} worker(s) off on-demand at this checkpoint boundary; "
-                       "return_to_spot=True"), new_state, CapacityPhase.RETURNING)
+                workers=moves, target={sp: target_s, od: keep_d}, numbers=plan.numbers,
+                reason=f"{moves} on-demand worker(s) no longer wanted ({plan.reason}; {ready_s} spot "
+                       f"slot(s) ready, {grp_s} in use): re-forming with {target_s} spot + {keep_d} "
+                       "on-demand at this checkpoint boundary; return_to_spot=True"), new_state,
+                CapacityPhase.RETURNING)
 
         # Rule 3: keep the standing autoscaler request right.
-        want_d = max(min(self._cap(M), M - ready_s) if fallback else 0, grp_d)
+        want_d = max(plan.workers, grp_d)
         want = {sp: M if self.return_to_spot else M - want_d, od: want_d}
-        if fallback:
-            why = (f"spot short for {short_for:.1f} s >= fallback_after_s="
-                   f"{self.fallback_after_s}: {ready_s} of {M} spot slot(s) ready; "
-                   f"{want_d} on-demand (max_on_demand_workers={self.max_on_demand_workers})")
-        elif grp_d:
-            why = f"{grp_d} on-demand worker(s) still in the group; spot slots ready {ready_s}/{M}"
-        else:
-            why = f"spot preferred: {M} spot slot(s) (max_workers={M})"
-        d = self._request_change(snap, want, why)
-
+        why = plan.reason if plan.workers or not grp_d else \
+            f"{grp_d} on-demand worker(s) still in the group; spot slots ready {ready_s}/{M}"
+        d = self._request_change(snap, want, why, plan.numbers)
         if returning or (not short and (want_d or snap.requested.get(od, 0))):
             phase = CapacityPhase.RETURNING if self.return_to_spot else CapacityPhase.FALLBACK
             if returning and isinstance(d, Noop):
-                d = Noop(f"spot is back; waiting for a checkpoint boundary to move {moves} "
-                         "worker(s) off on-demand")
-        elif fallback or grp_d:
+                d = Noop(f"waiting for a checkpoint boundary to move {moves} worker(s) off on-demand")
+        elif want_d:
             phase = CapacityPhase.FALLBACK
         elif short:
             phase = CapacityPhase.SPOT_SHORT
             if isinstance(d, Noop):
-                d = Noop(f"spot short for {short_for:.1f} s (< fallback_after_s="
-                         f"{self.fallback_after_s}): {ready_s} of {M} spot slot(s) ready")
+                d = Noop(f"spot short ({ready_s} of {M} spot slot(s) ready): {plan.reason}")
         else:
             phase = CapacityPhase.SPOT
         return CapacityStep(d, new_state, phase)
 
-    def _request_change(self, snap: CapacitySnapshot, want: Dict[str, int],
-                        why: str) -> CapacityDecision:
+    def _plan(self, snap: CapacitySnapshot, ready_s: int, grp_d: int, short_since: Optional[float],
+              low_since: Optional[float]) -> Tuple[OnDemandPlan, int]:
+        """The on-demand workers wanted now (objective, then deadline) and how many of the
+        group's on-demand workers to keep."""
+        M, m, now, cap = snap.max_workers, snap.min_workers, snap.now_s, self._cap(snap.max_workers)
+        if self.objective is Objective.TIME:
+            short_for = now - short_since if short_since is not None else 0.0
+            n = min(cap, M - ready_s) if short_since is not None and short_for >= self.fallback_after_s else 0
+            plan = OnDemandPlan(n, f"objective='time': spot short for {short_for:.1f} s "
+                                   f"(fallback_after_s={self.fallback_after_s}): {ready_s} of {M} spot "
+                                   f"slot(s) ready; {n} on-demand (max_on_demand_workers="
+                                   f"{self.max_on_demand_workers})" if short_since is not None
+                                else f"spot covers max_workers={M}")
+            keep = min(grp_d, M - ready_s)
+        else:
+            low_for = now - low_since if low_since is not None else 0.0
+            prices = self.prices.usd_per_hour if self.prices is not None else {}
+            plan = cost_fill(spot=ready_s, min_workers=m, max_workers=M, p_spot=prices.get(self.spot.name),
+                             p_od=prices.get(self.on_demand.name), fixed_usd_h=self.fixed_usd_per_hour,
+                             progress=snap.progress, max_fill=cap)
+            if low_since is not None and low_for < self.fallback_after_s:
+                plan = OnDemandPlan(0, f"spot below min_workers for {low_for:.1f} s (< fallback_after_s="
+                                       f"{self.fallback_after_s})", plan.numbers)
+            elif low_since is not None and low_for >= self.spot_wait_after_s and not plan.workers:
+                n = min(cap, m - ready_s)
+                plan = OnDemandPlan(n if ready_s + n >= m else 0,
+                                    f"spot below min_workers for {low_for:.1f} s >= spot_wait_s="
+                                    f"{self.spot_wait_after_s:g}: filling to min_workers with {n} on-demand",
+                                    plan.numbers)
+            keep = min(grp_d, max(0, m - ready_s))
+        plan = OnDemandPlan(plan.workers, f"objective='{self.objective.value}': {plan.reason}", plan.numbers)
+        if self.deadline_s is None:
+            return plan, keep
+        on_demand_now = max(grp_d, snap.requested.get(self.on_demand.name, 0))
+        need = deadline_need(spot=ready_s, on_demand_now=on_demand_now, min_workers=m, max_workers=M,
+                             max_on_demand=cap, deadline_s=self.deadline_s,
+                             margin_s=self.deadline_margin * self.deadline_s, boot_s=self.on_demand_boot_s,
+                             progress=snap.progress)
+        if need is None or (need.workers <= plan.workers and not need.unreachable):
+            if need is None:
+                return plan, keep
+            return OnDemandPlan(plan.workers, f"{plan.reason}; deadline: {need.reason}",
+                                {**plan.numbers, **need.numbers}), max(keep, min(grp_d, need.workers))
+        return (OnDemandPlan(need.workers, f"deadline_s={self.deadline_s:g}: {need.reason}",
+                             {**plan.numbers, **need.numbers}, need.unreachable),
+                max(keep, min(grp_d, need.workers)))
+
+    def _request_change(self, snap: CapacitySnapshot, want: Dict[str, int], why: str,
+                        numbers: Optional[Dict[str, Any]] = None) -> CapacityDecision:
         have = {name: snap.requested.get(name, 0) for name in want}
         if want == have:
             return Noop()
         od = self.on_demand.name
         if want[od] < have[od]:
             released = have[od] - want[od]
-            return ReleaseOnDemand(workers=released, counts=want,
+            return ReleaseOnDemand(workers=released, counts=want, numbers=dict(numbers or {}),
                                    reason=f"releasing {released} on-demand slot(s): {why}")
-        return RequestCapacity(counts=want, reason=f"requesting {want}: {why}")
+        return RequestCapacity(counts=want, reason=f"requesting {want}: {why}", numbers=dict(numbers or {}))
+
+
+def _since(previous: Optional[float], now: float) -> float:
+    return previous if previous is not None else now

@@ -2,11 +2,12 @@
 
 :func:`build_report` turns a run's event log and metrics into a :class:`RunReport`
 (world-size timeline, recoveries, checkpoints, node-hours, cost vs the on-demand baseline,
-goodput); :func:`load_run` reads them from any storage path. See docs/report.md.
+the bill by phase, goodput); :func:`load_run` reads them from any storage path. See
+docs/report.md.
 
 Modules, each importing only those before it: ``records`` (the frozen values),
-``prices``, ``loading``, ``_walk`` / ``_steps`` / ``_nodes`` (the passes), ``model``
-(:func:`build_report`), then ``render``, ``plots`` and ``cli``.
+``prices``, ``loading``, ``_walk`` / ``_steps`` / ``_nodes`` / ``bill`` (the passes),
+``model`` (:func:`build_report`), then ``render``, ``plots`` and ``cli``.
 """
 
 from __future__ import annotations

@@ -1,39 +1,55 @@
-"""Node-hours: how long the run held each node (per node type), and the cost series
-plotted against the on-demand baseline. Pure functions of the event log."""
+"""Node-hours: how long each node was billed to the run (per node type), and the cost
+series plotted against the on-demand baseline. Pure functions of the event log.
+
+A node is billed while the run holds a worker on it, and, once the run released it, until
+its ``node_gone`` (the autoscaler's idle timeout: the cloud bills the node until it is
+gone). Logs without ``node_gone`` events bill only the held time."""
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from raylastic.events import EventKind
+from raylastic.events import EventKind, LossCause
 from raylastic.reporting._steps import StepTimes
 from raylastic.reporting._walk import Event, kind_of
 
 DEFAULT_NODE_TYPE = "default"  # node-hours of workers whose worker_ready has no node_type
 
 
+Interval = Tuple[str, float, float]  # (node_type, start_ts, end_ts)
+
+
 @dataclass
 class NodeIntervals:
-    intervals: List[Tuple[str, float, float]]  # (node_type, start_ts, end_ts)
-    hours: Dict[str, float]
+    intervals: List[Interval]  # held: a worker of the run was on the node
+    hours: Dict[str, float]  # billed (held + released) node-hours
     count: Dict[str, int]
     slots: Dict[str, int]  # peak workers held at once on one node of the type
     markets: Dict[str, Optional[str]]
     approximated: bool = False
+    released: List[Interval] = field(default_factory=list)  # released, until node_gone
+
+    @property
+    def billed(self) -> List[Interval]:
+        """Every billed interval: the held ones, then the released-but-billed ones."""
+        return self.intervals + self.released
 
 
 def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> NodeIntervals:
     """Per node and controller session: from a worker_ready on an unheld node until the
     run holds no worker there any more (worker_lost/released), or the session's end while
     one of its workers is still held. A node given back and used again later counts twice,
-    not for the gap in between."""
+    not for the gap in between. A ``node_gone`` after a node's interval ended by a release
+    (:func:`_released`; before a new worker_ready there) adds the released interval from
+    that release to the node_gone; after a loss it adds nothing."""
     approximated = not any(kind_of(e) is EventKind.WORKER_READY for e in events) and any(
         kind_of(e) is EventKind.GROUP_FORMED and e.get("nodes") for e in events)
     intervals, slots, markets, nodes_of = [], defaultdict(int), {}, defaultdict(set)
     session_no, state = 0, {}
+    released, gone_after = [], {}  # node -> (node_type, ts of the release that ended it)
 
     def flush(session_end: float) -> None:
         for node, st in state.items():
@@ -47,8 +63,13 @@ def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> 
             flush(sess[session_no][1])
             session_no += 1
             continue
+        if kind is EventKind.NODE_GONE and e.get("node_id") in gone_after:
+            ntype, released_ts = gone_after.pop(e["node_id"])
+            released.append((ntype, released_ts, max(released_ts, ts)))
+            continue
         for node, wid, ntype, market in _ready(e, approximated):
             ntype = ntype or DEFAULT_NODE_TYPE
+            gone_after.pop(node, None)  # used again: the gap is not billed
             st = state.setdefault(node, {"type": ntype, "start": ts, "held": set(), "last_end": None})
             st["held"].add(wid)
             slots[st["type"]] = max(slots[st["type"]], len(st["held"]))
@@ -64,6 +85,8 @@ def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> 
                 if not st["held"]:  # the run gave the node back: a later worker starts a new interval
                     intervals.append((st["type"], st["start"], max(st["start"], ts)))
                     del state[e["node_id"]]
+                    if _released(e):  # the node is billed on until its node_gone
+                        gone_after[e["node_id"]] = (st["type"], max(st["start"], ts))
                     continue
             elif approximated or wid is None:
                 st["held"].clear()
@@ -74,11 +97,20 @@ def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> 
                 st["last_end"] = st["last_end"] if st["last_end"] else ts
     flush(sess[-1][1])
     hours, count = defaultdict(float), {}
-    for ntype, start, end in intervals:
+    for ntype, start, end in intervals + released:
         hours[ntype] += (end - start) / 3600.0
     for ntype, nodes in nodes_of.items():
         count[ntype] = len(nodes)
-    return NodeIntervals(intervals, dict(hours), count, dict(slots), markets, approximated)
+    return NodeIntervals(intervals, dict(hours), count, dict(slots), markets, approximated,
+                         released)
+
+
+def _released(e: Event) -> bool:
+    """The run gave the worker's slot back on purpose: ``worker_released``, or a worker
+    moved off by a capacity policy (``worker_lost`` cause ``released``). Not a loss: a
+    lost, crashed, hung or preempted worker's node is not "released" by the run."""
+    return kind_of(e) is EventKind.WORKER_RELEASED or (
+        kind_of(e) is EventKind.WORKER_LOST and e.get("cause") == LossCause.RELEASED.value)
 
 
 def _ready(e: Event, approximated: bool):
@@ -92,12 +124,14 @@ def _ready(e: Event, approximated: bool):
 
 def cost_series(nodes: NodeIntervals, price_of: Dict[str, float], steps: StepTimes,
                 od_worker_usd_h: Optional[float], t0: float, sess, points: int = 300):
-    """(t_s, node-hours, cost USD or None, baseline USD or None) on a grid over the run."""
-    end = sess[-1][1]
+    """(t_s, node-hours, cost USD or None, baseline USD or None) on a grid over the run
+    and the released nodes' billed time after it."""
+    billed = nodes.billed
+    end = max([sess[-1][1]] + [e for _, _, e in billed])
     if end <= t0:
         return ()
     grid = sorted({t0 + (end - t0) * k / (points - 1) for k in range(points)}
-                  | {s for _, s, _ in nodes.intervals} | {e for _, _, e in nodes.intervals})
+                  | {s for _, s, _ in billed} | {e for _, _, e in billed})
     order = sorted(range(len(steps.ts)), key=lambda k: steps.ts[k])
     ts_sorted = [steps.ts[k] for k in order]
     cum_w, acc = [], 0.0
@@ -107,7 +141,7 @@ def cost_series(nodes: NodeIntervals, price_of: Dict[str, float], steps: StepTim
     out = []
     for t in grid:
         nh, usd = 0.0, 0.0
-        for ntype, s, e in nodes.intervals:
+        for ntype, s, e in billed:
             h = max(0.0, min(e, t) - s) / 3600.0
             nh += h
             usd += h * price_of.get(ntype, 0.0)

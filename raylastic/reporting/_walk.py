@@ -37,12 +37,15 @@ def kind_of(e: Event) -> Optional[EventKind]:
 
 def sessions(events: Sequence[Event], metrics: Sequence[Event]) -> List[Tuple[float, float]]:
     """(start_ts, end_ts) of each controller session: a ``run_started`` starts one (a resumed
-    run appends a second). The idle gap between a crash and a resume is not wall time."""
+    run appends a second). The idle gap between a crash and a resume is not wall time, nor
+    is the wait for released nodes to leave the cluster (``node_gone``) after the run."""
     starts = [i for i, e in enumerate(events) if kind_of(e) is EventKind.RUN_STARTED and i > 0]
     bounds = [0] + starts + [len(events)]
     out = []
     for a, b in zip(bounds, bounds[1:]):
-        start, end = float(events[a]["ts"]), float(events[b - 1]["ts"])
+        start = float(events[a]["ts"])
+        end = next((float(e["ts"]) for e in reversed(events[a:b])
+                    if kind_of(e) is not EventKind.NODE_GONE), start)
         nxt = float(events[b]["ts"]) if b < len(events) else float("inf")
         end = max([end] + [float(m["ts"]) for m in metrics if start <= float(m["ts"]) < nxt])
         out.append((start, end))

@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="What elasticity did in a run and what it saved: world-size timeline, "
                     "recoveries, checkpoints, node-hours, cost vs the on-demand baseline, "
+                    "the bill by phase (training / waiting / recovering / released), "
                     "goodput. See docs/report.md.")
     p.add_argument("run_path", metavar="RUN_PATH",
                    help="the run directory <storage_path>/<name>: a local path, file://, "

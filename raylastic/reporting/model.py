@@ -5,8 +5,8 @@ Every number is derived from ``events.jsonl`` and ``metrics.jsonl`` alone (see
 docs/events.md for the schema and docs/report.md for every formula). Times in the report
 are seconds since the run's first event. Nothing here imports Ray or torch. The passes
 run in order, each over plain records: sessions and the membership walk (``_walk``),
-step times (``_steps``), node-hours and the cost series (``_nodes``), then the cost
-against the on-demand baseline and the checkpoint statistics here.
+step times (``_steps``), node-hours and the cost series (``_nodes``), the cost against
+the on-demand baseline here, the bill by phase (``bill``), then the checkpoint statistics.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from raylastic.events import EventKind
-from raylastic.reporting import _nodes, _steps, _walk
+from raylastic.reporting import _nodes, _steps, _walk, bill
 from raylastic.reporting._walk import kind_of
 from raylastic.reporting.loading import NotARunError
 from raylastic.reporting.prices import Prices, effective_prices
@@ -48,6 +48,11 @@ def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[
                      "group membership (group_formed.nodes)")
     effective = effective_prices(events, prices)
     cost = _cost(nodes, effective, steps_info.productive_worker_s, on_demand_type, notes)
+    bill_split = bill.bill_by_phase(events, nodes, {t: u.usd_per_hour for t, u in cost.usage.items()},
+                                    priced=effective is not None)
+    if nodes.intervals and not bill.has_states(events):
+        notes.append("no state events (older run): the bill's phases are inferred from "
+                     "group_formed / first_step / worker_lost / resize")
     last_finish = next((e for e in reversed(events) if kind_of(e) in _SESSION_ENDS), None)
     status = _SESSION_ENDS.get(kind_of(last_finish) if last_finish else None, "incomplete")
     error = str(last_finish.get("message") or last_finish.get("error")) if status == "failed" else None
@@ -84,7 +89,8 @@ def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[
         savings_usd=cost.savings,
         savings_pct=(cost.savings / cost.baseline * 100.0)
         if cost.savings is not None and cost.baseline else None,
-        productive_worker_s=steps_info.productive_worker_s, notes=tuple(notes), series=series,
+        productive_worker_s=steps_info.productive_worker_s, notes=tuple(notes), bill=bill_split,
+        series=series,
     )
 
 

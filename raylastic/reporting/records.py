@@ -17,7 +17,7 @@ JSON_KEYS = (
     "schema_version", "run_path", "status", "error", "start_ts", "end_ts", "wall_s",
     "productive_step_s", "goodput", "steps", "world_size_timeline", "recoveries", "resizes",
     "checkpoints", "node_hours", "prices", "cost_usd", "on_demand_type", "on_demand_cost_usd",
-    "savings_usd", "savings_pct", "productive_worker_s", "notes",
+    "savings_usd", "savings_pct", "productive_worker_s", "notes", "bill",
 )
 
 
@@ -76,6 +76,21 @@ class NodeTypeUsage:
 
 
 @dataclass(frozen=True)
+class PhaseCost:
+    """Billed node-seconds of one bill bucket, and their cost (None: a price is unknown)."""
+    node_s: float
+    usd: Optional[float]
+
+
+@dataclass(frozen=True)
+class Bill:
+    """The bill split by what the nodes were doing (``bill.BUCKETS``): per node type and
+    in total, each bucket's :class:`PhaseCost`. The buckets add up to the node-hours."""
+    by_node_type: Dict[str, Dict[str, PhaseCost]] = field(default_factory=dict)
+    total: Dict[str, PhaseCost] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Series:
     """Plot data (not part of --json)."""
     loss: Tuple[Tuple[float, int, float, bool], ...]  # (t_s, index, value, kept)
@@ -107,6 +122,7 @@ class RunReport:
     savings_pct: Optional[float]
     productive_worker_s: float
     notes: Tuple[str, ...]
+    bill: Bill = field(default_factory=Bill)
     series: Series = field(repr=False, compare=False, default=Series((), ()))
 
     def to_json(self) -> Dict[str, Any]:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from raylastic.reporting.records import RunReport
+from raylastic.reporting.records import PhaseCost, RunReport
+
+# The bill table's columns: (bucket of records.Bill, header).
+_BILL_COLUMNS = (("training", "training"), ("waiting", "waiting"), ("recovering", "recovering"),
+                 ("released", "released-but-billed"))
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> List[str]:
@@ -99,6 +103,7 @@ def render_text(r: RunReport, *, max_rows: int = 40) -> str:
     else:
         out.append("  (no worker held a slot)")
     out += _cost_lines(r)
+    out += _bill_lines(r)
     if r.notes:
         out += ["", "Notes"] + [f"  - {n}" for n in r.notes]
     return "\n".join(out) + "\n"
@@ -129,6 +134,24 @@ def _checkpoint_lines(r: RunReport) -> List[str]:
         lines.append(f"  async (upload)           mean {fmt_s(c['async_s_mean'])} s, max "
                      f"{fmt_s(c['async_s_max'])} s")
     return lines
+
+
+def _bill_lines(r: RunReport) -> List[str]:
+    """Billed node-seconds (and USD) by what the nodes were doing, per node type."""
+    if not r.bill.by_node_type:
+        return []
+    lines = [*r.bill.by_node_type.items(), ("total", r.bill.total)]
+    cells = [p for _, phases in lines for p in phases.values()]
+    s_w = max(len(f"{p.node_s:.1f}") for p in cells)
+    usd_w = max(len(fmt_usd(p.usd)) for p in cells)
+    rows = [(t, *(_bill_cell(phases[b], s_w, usd_w) for b, _ in _BILL_COLUMNS)) for t, phases in lines]
+    return ["", "Bill by phase (node-seconds, USD)"] + _table(
+        ["node type", *(h for _, h in _BILL_COLUMNS)], rows)
+
+
+def _bill_cell(p: PhaseCost, s_w: int, usd_w: int) -> str:
+    return f"{p.node_s:.1f}".rjust(s_w) + " s" + (
+        f"  {fmt_usd(p.usd).rjust(usd_w)}" if p.usd is not None else "")
 
 
 def _cost_lines(r: RunReport) -> List[str]:

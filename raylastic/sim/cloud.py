@@ -37,8 +37,9 @@ import signal
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from raylastic.policies.node_types import RESOURCE_PREFIX, PriceTable
 from raylastic.sim import provider as _prov
@@ -49,6 +50,7 @@ from raylastic.sim.config import (
     SimNodeType,
     autoscaler_config,
 )
+from raylastic.sim.timescale import TimeScale
 from raylastic.sim.trace import Trace, TraceEvent, TraceEventKind
 from raylastic.testing.cluster import FAST_FAILURE_DETECTION
 
@@ -67,13 +69,26 @@ class SpotCloud:
 
     ``capacity``: initial caps (node type -> nodes; a type not named is limited only by
     its ``max_nodes``). ``idle_timeout_s``: the autoscaler removes a node idle that long
-    unless ``request_resources`` holds it. ``connect_driver``: ``ray.init`` this process
-    to the head on start (and ``ray.shutdown`` on shutdown).
+    unless ``request_resources`` holds it (default 60 s). ``time_scale``: real seconds
+    per benchmark second (:mod:`raylastic.sim.timescale`); when given, every node type's
+    launch delay and the idle timeout derive from real-world values at that scale (so
+    ``idle_timeout_s`` and node types' ``launch_delay_s`` must be left at their defaults).
+    ``connect_driver``: ``ray.init`` this process to the head on start (and
+    ``ray.shutdown`` on shutdown).
     """
 
     def __init__(self, node_types: Sequence[SimNodeType] = DEFAULT_SIM_NODE_TYPES, *,
-                 capacity: Optional[Mapping[str, int]] = None, idle_timeout_s: float = 60.0,
+                 capacity: Optional[Mapping[str, int]] = None, idle_timeout_s: Optional[float] = None,
+                 time_scale: Optional[Union[float, TimeScale]] = None,
                  connect_driver: bool = True) -> None:
+        self.time_scale: Optional[TimeScale] = None
+        if time_scale is not None:
+            self.time_scale = time_scale if isinstance(time_scale, TimeScale) else TimeScale(time_scale)
+            if idle_timeout_s is not None or any(t.launch_delay_s for t in node_types):
+                raise ValueError("SpotCloud: with time_scale, idle_timeout_s and launch_delay_s derive "
+                                 "from real-world values (raylastic.sim.timescale); leave them unset")
+            node_types = [replace(t, launch_delay_s=self.time_scale.launch_delay_s) for t in node_types]
+            idle_timeout_s = self.time_scale.idle_timeout_s
         self.node_types: Dict[str, SimNodeType] = {t.name: t for t in node_types}
         if len(self.node_types) != len(node_types):
             raise ValueError("SpotCloud: node type names must be unique")
@@ -81,6 +96,7 @@ class SpotCloud:
         for name, cap in (capacity or {}).items():
             self._check_type(name)
             self._caps[name] = _check_count(cap, f"capacity[{name!r}]")
+        idle_timeout_s = 60.0 if idle_timeout_s is None else idle_timeout_s
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s={idle_timeout_s!r} must be > 0")
         self._idle_timeout_s = float(idle_timeout_s)
@@ -264,18 +280,21 @@ class SpotCloud:
 
     # -- what the trace (or a test) does ------------------------------------------------
 
-    def start_trace(self, trace: Trace, time_scale: float = 1.0) -> None:
-        """Replay ``trace`` from now. ``time_scale`` multiplies every event time and notice
-        (0.5 = twice as fast)."""
+    def start_trace(self, trace: Trace, stretch: float = 1.0) -> None:
+        """Replay ``trace`` from now (its times are benchmark seconds). ``stretch``
+        multiplies every event time and notice (0.5 = twice as fast), for tests; it is not
+        the cloud's ``time_scale``."""
+        time_scale = stretch
         if not time_scale > 0:
-            raise ValueError(f"time_scale={time_scale!r} must be > 0")
+            raise ValueError(f"stretch={stretch!r} must be > 0")
         trace.check_node_types(self.node_types)
         scheduler = self._scheduler
         if scheduler is None:
             raise RuntimeError("SpotCloud is not started")
         t0 = time.monotonic()
         self._record("trace_start", None, None,
-                     detail={"source": trace.source, "time_scale": time_scale})
+                     detail={"source": trace.source, "stretch": time_scale,
+                             "time_scale": self.time_scale.to_record() if self.time_scale else None})
         for e in trace.events:
             scheduler.call_at(t0 + e.time_s * time_scale, lambda e=e: self._apply(e, time_scale))
         scheduler.call_at(t0 + trace.duration_s * time_scale,

@@ -108,8 +108,8 @@ def test_preempt_event_drains_the_node_then_kills_it_at_the_deadline():
         probe = _Probe.options(resources={"node_type:spot": 0.01}).remote()
         assert ray.get(probe.node.remote(), timeout=30) == node_id
 
-        # time_scale 0.5: the preemption comes at 1 s with 4 s of notice.
-        cloud.start_trace(_trace(f"2,preempt,spot,1,{2 * notice_s:g}"), time_scale=0.5)
+        # stretch 0.5: the preemption comes at 1 s with 4 s of notice.
+        cloud.start_trace(_trace(f"2,preempt,spot,1,{2 * notice_s:g}"), stretch=0.5)
         draining = wait_until(lambda: state.get_draining_nodes(), 10, what="a draining node")
         t_drain = time.time()
         assert list(draining) == [node_id]

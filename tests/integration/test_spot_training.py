@@ -26,9 +26,11 @@ SCALE = 0.6  # replay the drought trace 1/0.6 times faster: spot drops at 30 s, 
 def test_drought_falls_back_to_on_demand_and_returns_to_spot(tmp_path):
     run_dir = str(tmp_path / "results")
     stop = tmp_path / "stop"
-    with SpotCloud(capacity={"spot": 4, "on_demand": 2}) as cloud:
-        policy = CapacityPolicy(prefer="spot", fallback_after_s=FALLBACK_S, max_on_demand_workers=2,
-                                max_wait_s=120, prices=cloud.prices())
+    # a 2 s idle timeout: a released node leaves soon after (node_gone is checked below)
+    with SpotCloud(capacity={"spot": 4, "on_demand": 2}, idle_timeout_s=2.0) as cloud:
+        # objective="time": fill the spot shortfall with on-demand (the default "cost" waits)
+        policy = CapacityPolicy(prefer="spot", objective="time", fallback_after_s=FALLBACK_S,
+                                max_on_demand_workers=2, max_wait_s=120, prices=cloud.prices())
         trainer = ElasticTrainer(
             mlp_bench, train_loop_config={"elastic_state": True, "hidden": 128, "layers": 2,
                                           "stop_path": str(stop)},
@@ -41,7 +43,7 @@ def test_drought_falls_back_to_on_demand_and_returns_to_spot(tmp_path):
         th.start()
         w = RunWatcher(os.path.join(run_dir, "drought"))
         w.wait_for_event(EventKind.FIRST_STEP, 120)
-        cloud.start_trace(shipped_trace("drought"), time_scale=SCALE)
+        cloud.start_trace(shipped_trace("drought"), stretch=SCALE)
         migrate = w.wait_for_event(EventKind.DECISION, 200,
                                    where=lambda e: e.get("decision") == "capacity.migrate_to_spot")
 
@@ -50,6 +52,9 @@ def test_drought_falls_back_to_on_demand_and_returns_to_spot(tmp_path):
             return e["ts"] > migrate["ts"] and set(e["nodes"]) <= spot
 
         w.wait_for_event(EventKind.GROUP_FORMED, 90, where=on_spot_only)
+        od = {r["node_id"] for r in w.events(EventKind.WORKER_READY) if r["market"] == "on_demand"}
+        # the released on-demand node leaves the cluster and the run records when
+        gone = w.wait_for_event(EventKind.NODE_GONE, 60, where=lambda e: e["node_id"] in od)
         stop.touch()
         result = th.wait(120)
         history = cloud.history
@@ -77,6 +82,8 @@ def test_drought_falls_back_to_on_demand_and_returns_to_spot(tmp_path):
     assert all(e["lost_steps"] == 0 for e in events if e["kind"] == "resize"), \
         [e for e in events if e["kind"] == "resize"]
     assert any(e["kind"] == "decision" and e.get("decision") == "evacuate" for e in events)
+    assert gone["node_type"] == "on_demand" and gone["billed_after_release_s"] >= 0
+    assert any(h["event"] == "terminated" and h["node_id"] == gone["node_id"] for h in history)
 
     rep = subprocess.run([sys.executable, "-m", "raylastic", "report", result.path, "--json"],
                          capture_output=True, text=True, timeout=120)

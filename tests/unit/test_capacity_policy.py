@@ -88,7 +88,7 @@ def drought(start, end):
 
 
 def test_drought_falls_back_after_configured_time_then_returns_to_spot():
-    policy = CapacityPolicy(prefer="spot", fallback_after_s=20, max_on_demand_workers=2,
+    policy = CapacityPolicy(prefer="spot", objective="time", fallback_after_s=20, max_on_demand_workers=2,
                             max_wait_s=300, prices=PRICES)
     cluster = FakeCluster(policy, drought(start=30, end=90))
     acts = cluster.run(until_s=120)
@@ -119,7 +119,7 @@ def test_drought_falls_back_after_configured_time_then_returns_to_spot():
 
 
 def test_no_fallback_before_fallback_after_s():
-    policy = CapacityPolicy(fallback_after_s=20, max_wait_s=300)
+    policy = CapacityPolicy(objective="time", fallback_after_s=20, max_wait_s=300)
     state = CapacityState()
     for t in (0.0, 5.0, 19.5):
         step = policy.decide(snap(t, ready={"spot": 2}, in_group={"spot": 2},
@@ -134,7 +134,7 @@ def test_no_fallback_before_fallback_after_s():
 
 
 def test_short_blip_resets_the_fallback_timer():
-    policy = CapacityPolicy(fallback_after_s=20, max_wait_s=300)
+    policy = CapacityPolicy(objective="time", fallback_after_s=20, max_wait_s=300)
     short = dict(ready={"spot": 3}, in_group={"spot": 3}, requested={"spot": 4})
     full = dict(ready={"spot": 4}, in_group={"spot": 4}, requested={"spot": 4})
     state = policy.decide(snap(0, **short), CapacityState()).state
@@ -146,14 +146,14 @@ def test_short_blip_resets_the_fallback_timer():
 
 
 def test_fallback_with_zero_delay_and_fallback_fill():
-    policy = CapacityPolicy(fallback_after_s=0, max_wait_s=60)
+    policy = CapacityPolicy(objective="time", fallback_after_s=0, max_wait_s=60)
     step = policy.decide(snap(0, ready={"spot": 1}, in_group={"spot": 1},
                               requested={"spot": 4}))
     assert step.decision.counts == {"spot": 4, "on_demand": 3}  # no cap: the shortfall
 
 
 def test_preemption_during_fallback_raises_on_demand_up_to_cap():
-    policy = CapacityPolicy(fallback_after_s=0, max_on_demand_workers=3, max_wait_s=60)
+    policy = CapacityPolicy(objective="time", fallback_after_s=0, max_on_demand_workers=3, max_wait_s=60)
     req = {"spot": 4, "on_demand": 1}
     step = policy.decide(snap(0, ready={"spot": 0, "on_demand": 1},
                               in_group={"on_demand": 1}, requested=req))
@@ -162,7 +162,7 @@ def test_preemption_during_fallback_raises_on_demand_up_to_cap():
 
 
 def test_max_on_demand_zero_never_requests_on_demand():
-    policy = CapacityPolicy(fallback_after_s=0, max_on_demand_workers=0, max_wait_s=60)
+    policy = CapacityPolicy(objective="time", fallback_after_s=0, max_on_demand_workers=0, max_wait_s=60)
     state = CapacityState()
     for t in range(0, 30, 5):
         step = policy.decide(snap(t, ready={"spot": 1}, in_group={"spot": 1},
@@ -173,7 +173,7 @@ def test_max_on_demand_zero_never_requests_on_demand():
 
 
 def test_spot_returns_waits_for_checkpoint_boundary():
-    policy = CapacityPolicy(fallback_after_s=10, max_wait_s=60)
+    policy = CapacityPolicy(objective="time", fallback_after_s=10, max_wait_s=60)
     common = dict(ready={"spot": 4, "on_demand": 2}, in_group={"spot": 2, "on_demand": 2},
                   requested={"spot": 4, "on_demand": 2})
     step = policy.decide(snap(100, **common))
@@ -186,7 +186,7 @@ def test_spot_returns_waits_for_checkpoint_boundary():
 
 
 def test_partial_return_moves_what_spot_can_hold():
-    policy = CapacityPolicy(fallback_after_s=10, max_wait_s=60)
+    policy = CapacityPolicy(objective="time", fallback_after_s=10, max_wait_s=60)
     state = CapacityState(spot_short_since_s=0.0)
     s = snap(50, ready={"spot": 3, "on_demand": 2}, in_group={"spot": 2, "on_demand": 2},
              requested={"spot": 4, "on_demand": 2}, boundary=True)
@@ -201,7 +201,7 @@ def test_partial_return_moves_what_spot_can_hold():
 
 
 def test_return_to_spot_false_keeps_on_demand_and_stops_extra_spot():
-    policy = CapacityPolicy(fallback_after_s=10, return_to_spot=False, max_wait_s=60)
+    policy = CapacityPolicy(objective="time", fallback_after_s=10, return_to_spot=False, max_wait_s=60)
     s = snap(100, ready={"spot": 4, "on_demand": 2}, in_group={"spot": 2, "on_demand": 2},
              requested={"spot": 4, "on_demand": 2}, boundary=True)
     step = policy.decide(s)
@@ -211,7 +211,7 @@ def test_return_to_spot_false_keeps_on_demand_and_stops_extra_spot():
 
 
 def test_max_wait_exceeded_gives_up_with_a_typed_picklable_error():
-    policy = CapacityPolicy(fallback_after_s=10, max_on_demand_workers=1, max_wait_s=30)
+    policy = CapacityPolicy(objective="time", fallback_after_s=10, max_on_demand_workers=1, max_wait_s=30)
     state = CapacityState()
     for t in (0.0, 10.0, 29.5):
         step = policy.decide(snap(t, ready={"spot": 0, "on_demand": 1},
@@ -232,7 +232,7 @@ def test_max_wait_exceeded_gives_up_with_a_typed_picklable_error():
 
 
 def test_wait_timer_resets_when_min_workers_are_back():
-    policy = CapacityPolicy(fallback_after_s=10, max_wait_s=30)
+    policy = CapacityPolicy(objective="time", fallback_after_s=10, max_wait_s=30)
     state = policy.decide(snap(0, ready={}, lo=2)).state
     state = policy.decide(snap(20, ready={"spot": 2}, lo=2), state).state
     assert state.below_min_since_s is None
@@ -266,7 +266,7 @@ def test_request_args_are_valid_for_ray_request_resources():
 
 
 def test_policy_and_decisions_pickle_and_record():
-    policy = CapacityPolicy(prefer="spot", fallback_after_s=120, max_on_demand_workers=2,
+    policy = CapacityPolicy(prefer="spot", objective="time", fallback_after_s=120, max_on_demand_workers=2,
                             return_to_spot=True, max_wait_s=900, prices=PRICES)
     assert pickle.loads(pickle.dumps(policy)) == policy
     assert hash(policy) == hash(pickle.loads(pickle.dumps(policy)))  # usable in frozen configs
@@ -283,7 +283,12 @@ def test_policy_and_decisions_pickle_and_record():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(fallback_after_s=-1), r"fallback_after_s \(-1\) must be >= 0"),
     (dict(max_wait_s=0), r"max_wait_s \(0\) must be > 0"),
-    (dict(fallback_after_s=120, max_wait_s=60), r"max_wait_s \(60\) <= fallback_after_s"),
+    (dict(objective="time", fallback_after_s=120, max_wait_s=60), r"max_wait_s \(60\) <= fallback_after_s"),
+    (dict(spot_wait_s=700, max_wait_s=600), r"max_wait_s \(600\) <= spot_wait_s"),
+    (dict(objective="cheap"), r"objective=.cheap.: use .cost."),
+    (dict(deadline_s=-5), r"deadline_s=-5 must be"),
+    (dict(deadline_s=100, deadline_margin=1.5), r"deadline_margin=1.5"),
+    (dict(on_demand_boot_s=float("nan")), r"on_demand_boot_s=nan"),
     (dict(max_on_demand_workers=-2), r"max_on_demand_workers \(-2\)"),
     (dict(prefer="cheap"), r"prefer='cheap' is not a market"),
     (dict(prefer="on_demand", max_on_demand_workers=0), r"max_on_demand_workers=0"),

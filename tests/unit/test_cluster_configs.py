@@ -189,3 +189,267 @@ def test_kuberay_manifest_through_rays_own_translation(name):
         node_type = derived["available_node_types"][t.name]
         assert node_type["labels"] == t.labels
         assert node_type["resources"][t.resource_key] == 1
+
+
+# --- How fast a released node is terminated (docs/release.md) -----------------------------
+#
+# raylastic releases a node by dropping it from its standing request_resources() request
+# and killing its worker actor; the node is then idle, and the autoscaler terminates it
+# once it has been idle longer than the idle timeout. The shipped configs set 3 s, and make
+# the autoscaler loop run every 2 s instead of 5 s.
+
+IDLE_TIMEOUT_S = 3.0
+UPDATE_INTERVAL = "2"
+
+
+def autoscaling_config(name):
+    """The config the Ray autoscaler works from: the prepared launcher YAML, or Ray's own
+    translation of the KubeRay manifest (what the KubeRay autoscaler sidecar runs)."""
+    from ray.autoscaler._private.util import prepare_config
+
+    m = load(name)
+    if name in KUBERAY:
+        from ray.autoscaler._private.kuberay.autoscaling_config import (
+            _derive_autoscaling_config_from_ray_cr,
+        )
+        m = _derive_autoscaling_config_from_ray_cr(
+            {"apiVersion": "ray.io/v1", "kind": "RayCluster",
+             "metadata": {"name": m["metadata"]["name"], "namespace": "default"},
+             "spec": cluster_spec(m)})
+    return prepare_config(m)
+
+
+@pytest.mark.parametrize("name", LAUNCHER + KUBERAY)
+def test_idle_timeout_is_3s(name):
+    from ray.autoscaler.v2.instance_manager.config import AutoscalingConfig
+
+    if name in KUBERAY:
+        assert cluster_spec(load(name))["autoscalerOptions"]["idleTimeoutSeconds"] == 3
+    else:
+        assert load(name)["idle_timeout_minutes"] == 0.05
+    config = autoscaling_config(name)
+    # v1 autoscaler: idle_timeout_s = 60 * config["idle_timeout_minutes"]
+    # (StandardAutoscaler.terminate_nodes_to_enforce_config_constraints).
+    assert 60 * config["idle_timeout_minutes"] == pytest.approx(IDLE_TIMEOUT_S)
+    # v2 autoscaler (the `ray up` default since Ray 2.50).
+    assert AutoscalingConfig(config, skip_content_hash=True).get_idle_timeout_s() == \
+        pytest.approx(IDLE_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("name", LAUNCHER)
+def test_head_start_command_is_rays_default_with_2s_update_interval(name):
+    from ray.autoscaler._private.providers import _get_default_config
+
+    prepared = autoscaling_config(name)
+    default = _get_default_config(prepared["provider"])
+    expected = [" ".join(c.split()).replace(
+        "ray start --head", f"AUTOSCALER_UPDATE_INTERVAL_S={UPDATE_INTERVAL} ray start --head")
+        for c in default["head_start_ray_commands"]]
+    assert any("AUTOSCALER_UPDATE_INTERVAL_S" in c for c in expected)
+    assert [" ".join(c.split()) for c in prepared["head_start_ray_commands"]] == expected
+    assert prepared["worker_start_ray_commands"] == default["worker_start_ray_commands"]
+
+
+@pytest.mark.parametrize("name", LAUNCHER)
+def test_head_start_command_gives_ray_start_the_update_interval(name, tmp_path):
+    """Run the head start commands as `ray up` does (Ray 2.60 prefixes them with the
+    autoscaler-v2 exports, ray/autoscaler/_private/commands.py), with a stand-in `ray`
+    that records the environment it was started with."""
+    import os
+    import subprocess
+
+    from ray.autoscaler._private.util import with_envs
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    record = tmp_path / "calls"
+    (bindir / "ray").write_text(
+        f'#!/bin/bash\necho "${{AUTOSCALER_UPDATE_INTERVAL_S:-unset}} $*" >> {record}\n')
+    (bindir / "ray").chmod(0o755)
+    commands = with_envs(autoscaling_config(name)["head_start_ray_commands"],
+                         {"RAY_enable_autoscaler_v2": "1", "RAY_CLOUD_INSTANCE_ID": "i-0",
+                          "RAY_NODE_TYPE_NAME": "head"})
+    env = {k: v for k, v in os.environ.items() if k != "AUTOSCALER_UPDATE_INTERVAL_S"}
+    env["PATH"] = f"{bindir}:{env['PATH']}"
+    for command in commands:
+        subprocess.run(["bash", "-c", command], env=env, check=True, timeout=30,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    calls = record.read_text().splitlines()
+    starts = [c for c in calls if " start --head" in c]
+    assert len(starts) == 1 and starts[0].startswith(f"{UPDATE_INTERVAL} start --head")
+    assert "--autoscaling-config=" in starts[0]  # else no autoscaler runs on the head
+
+
+def test_rays_monitors_read_the_update_interval_from_the_environment():
+    """Both autoscaler monitors (v1, and v2 that `ray up` starts by default) sleep
+    AUTOSCALER_UPDATE_INTERVAL_S between loops; ray start passes its environment on to the
+    monitor process (ray/_private/services.py start_ray_process copies os.environ)."""
+    import os
+    import subprocess
+
+    code = ("import ray.autoscaler._private.monitor as m1, ray.autoscaler.v2.monitor as m2, "
+            "ray.autoscaler._private.autoscaler as a1; "
+            "print(m1.AUTOSCALER_UPDATE_INTERVAL_S, m2.AUTOSCALER_UPDATE_INTERVAL_S, "
+            "a1.StandardAutoscaler.__init__.__defaults__)")
+    env = dict(os.environ, AUTOSCALER_UPDATE_INTERVAL_S=UPDATE_INTERVAL)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True, timeout=120).stdout.split()
+    assert out[:2] == [UPDATE_INTERVAL, UPDATE_INTERVAL]
+    # StandardAutoscaler's own throttle (update_interval_s) defaults to the same constant.
+    assert f"{UPDATE_INTERVAL}," in " ".join(out[2:])
+
+
+@pytest.mark.parametrize("name", KUBERAY)
+def test_kuberay_autoscaler_container_gets_the_update_interval(name):
+    env = cluster_spec(load(name))["autoscalerOptions"]["env"]
+    assert {"name": "AUTOSCALER_UPDATE_INTERVAL_S", "value": UPDATE_INTERVAL} in env
+
+
+def spot_and_on_demand(name):
+    types = node_types_from_cluster_config(ROOT / name)
+    return (next(t for t in types if t.market is Market.SPOT),
+            next(t for t in types if t.market is Market.ON_DEMAND))
+
+
+def requested(types):
+    """The bundles raylastic's standing request_resources() call asks for."""
+    policy = CapacityPolicy(node_types=list(types), max_on_demand_workers=2, max_wait_s=900,
+                            prices=PriceTable.from_mapping({t.name: 1.0 for t in types}))
+    return policy.request_args({t.name: 1 for t in types})["bundles"]
+
+
+@pytest.mark.parametrize("name", LAUNCHER + KUBERAY)
+def test_v1_autoscaler_terminates_released_node_and_keeps_requested_ones(name):
+    """Ray's v1 autoscaler (KubeRay's default, and `ray up` with
+    RAY_UP_enable_autoscaler_v2=0) on this config, with a stand-in node provider: a worker
+    idle past 3 s is terminated unless request_resources() still needs it."""
+    import time
+    from unittest import mock
+
+    from ray.autoscaler._private import autoscaler as v1
+    from ray.autoscaler._private.load_metrics import LoadMetrics
+    from ray.autoscaler.node_provider import NodeProvider
+    from ray.autoscaler.tags import (NODE_KIND_HEAD, NODE_KIND_WORKER, TAG_RAY_NODE_KIND,
+                                     TAG_RAY_USER_NODE_TYPE)
+
+    config = autoscaling_config(name)
+    config["provider"].update(disable_launch_config_check=True, foreground_node_launch=True)
+    spot, od = spot_and_on_demand(name)
+
+    class Provider(NodeProvider):
+        def __init__(self, nodes):
+            super().__init__({}, "raylastic")
+            self.nodes, self.terminated = nodes, []
+
+        def non_terminated_nodes(self, tag_filters):
+            return [n for n, tags in self.nodes.items()
+                    if all(tags.get(k) == v for k, v in tag_filters.items())]
+
+        def node_tags(self, node_id):
+            return self.nodes[node_id]
+
+        def internal_ip(self, node_id):
+            return f"10.0.0.{node_id}"
+
+        def is_running(self, node_id):
+            return node_id in self.nodes
+
+        def is_terminated(self, node_id):
+            return node_id not in self.nodes
+
+        def terminate_nodes(self, node_ids):
+            self.terminated += node_ids
+            for n in node_ids:
+                del self.nodes[n]
+
+        def terminate_node(self, node_id):
+            self.terminate_nodes([node_id])
+
+    class Gcs:
+        def drain_nodes(self, node_ids, timeout=None):
+            return list(node_ids)
+
+    def run(request, workers):
+        """Terminated worker ids, for workers {id: (node type, seconds idle)}."""
+        kinds = {"0": (config["head_node_type"], 0.0), **workers}
+        nodes = {n: {TAG_RAY_NODE_KIND: NODE_KIND_HEAD if n == "0" else NODE_KIND_WORKER,
+                     TAG_RAY_USER_NODE_TYPE: t} for n, (t, _) in kinds.items()}
+        provider = Provider(nodes)
+        metrics = LoadMetrics()
+        for n, (t, idle_s) in kinds.items():
+            resources = config["available_node_types"][t]["resources"] or {"CPU": 4}
+            metrics.update(f"10.0.0.{n}", n.encode() * 28, resources, resources, idle_s)
+        metrics.set_resource_requests(request)
+        with mock.patch.object(v1, "_get_node_provider", return_value=provider):
+            scaler = v1.StandardAutoscaler(lambda: copy.deepcopy(config), metrics, Gcs(),
+                                           update_interval_s=0)
+            scaler.non_terminated_nodes = v1.NonTerminatedNodes(provider)
+            scaler.terminate_nodes_to_enforce_config_constraints(time.time())
+        return sorted(provider.terminated)
+
+    spot_bundle, od_bundle = requested([spot, od])
+    s, o = spot.name, od.name
+    # The released on-demand node (idle 4.5 s) goes; one idle 1.5 s stays; the spot node,
+    # idle for a minute but still requested, stays.
+    assert run([spot_bundle], {"1": (s, 60.0), "2": (o, 4.5), "3": (o, 1.5)}) == ["2"]
+    # A node the request still needs is kept however long it is idle...
+    assert run([spot_bundle, od_bundle], {"1": (s, 60.0), "2": (o, 60.0)}) == []
+    # ...and only as many as it needs: of two idle on-demand nodes, the least recently
+    # used one goes.
+    assert run([spot_bundle, od_bundle],
+               {"1": (s, 60.0), "2": (o, 60.0), "3": (o, 4.5)}) == ["2"]
+
+
+@pytest.mark.parametrize("name", LAUNCHER + KUBERAY)
+def test_v2_scheduler_terminates_released_node_and_keeps_requested_ones(name):
+    """Ray's v2 autoscaler scheduler (what `ray up` runs by default in Ray 2.60) on this
+    config: a worker idle past 3 s gets an IDLE termination unless the cluster resource
+    constraint from request_resources() still needs it."""
+    from ray.autoscaler.v2.instance_manager.config import AutoscalingConfig
+    from ray.autoscaler.v2.scheduler import ResourceDemandScheduler, SchedulingRequest
+    from ray.autoscaler.v2.schema import AutoscalerInstance
+    from ray.core.generated.autoscaler_pb2 import (ClusterResourceConstraint, NodeState,
+                                                   NodeStatus, ResourceRequest,
+                                                   ResourceRequestByCount)
+    from ray.core.generated.instance_manager_pb2 import Instance, TerminationRequest
+
+    prepared = autoscaling_config(name)
+    for key in ("ssh_private_key", "ssh_public_key"):  # only hashed into launch configs
+        prepared["auth"].pop(key, None)
+    config = AutoscalingConfig(prepared, skip_content_hash=True)
+    node_types = config.get_node_type_configs()
+    spot, od = spot_and_on_demand(name)
+
+    def instance(i, node_type, idle_s):
+        resources = dict(node_types[node_type].resources)
+        node_id = f"{i:056x}"
+        return AutoscalerInstance(
+            cloud_instance_id=f"vm-{i}",
+            im_instance=Instance(instance_id=f"im-{i}", instance_type=node_type,
+                                 status=Instance.RAY_RUNNING, node_id=node_id,
+                                 cloud_instance_id=f"vm-{i}"),
+            ray_node=NodeState(node_id=bytes.fromhex(node_id), instance_id=f"vm-{i}",
+                               ray_node_type_name=node_type, total_resources=resources,
+                               available_resources=resources, status=NodeStatus.IDLE,
+                               idle_duration_ms=int(idle_s * 1000)))
+
+    def run(request, idle_s):
+        constraint = ClusterResourceConstraint(resource_requests=[
+            ResourceRequestByCount(request=ResourceRequest(resources_bundle=b), count=1)
+            for b in request])
+        reply = ResourceDemandScheduler().schedule(SchedulingRequest(
+            node_type_configs=node_types, max_num_nodes=config.get_max_num_nodes(),
+            idle_timeout_s=config.get_idle_timeout_s(), disable_launch_config_check=True,
+            cluster_resource_constraints=[constraint],
+            current_instances=[instance(1, spot.name, idle_s[0]),
+                               instance(2, od.name, idle_s[1]),
+                               instance(3, od.name, idle_s[2])]))
+        assert all(t.cause == TerminationRequest.Cause.IDLE for t in reply.to_terminate)
+        return sorted(t.instance_id for t in reply.to_terminate)
+
+    spot_bundle, od_bundle = requested([spot, od])
+    assert run([spot_bundle], (60.0, 3.1, 2.9)) == ["im-2"]  # idle > 3 s, not requested
+    # A node the request still needs is kept however long it is idle, and only as many
+    # as it needs: of two on-demand nodes idle past 3 s, one goes.
+    assert run([spot_bundle, od_bundle], (60.0, 60.0, 2.9)) == []
+    assert len(run([spot_bundle, od_bundle], (60.0, 60.0, 60.0))) == 1

@@ -17,7 +17,7 @@ FROZEN_KEYS = [
     "schema_version", "run_path", "status", "error", "start_ts", "end_ts", "wall_s",
     "productive_step_s", "goodput", "steps", "world_size_timeline", "recoveries", "resizes",
     "checkpoints", "node_hours", "prices", "cost_usd", "on_demand_type", "on_demand_cost_usd",
-    "savings_usd", "savings_pct", "productive_worker_s", "notes",
+    "savings_usd", "savings_pct", "productive_worker_s", "notes", "bill",
 ]
 T0 = 1_700_000_000.0
 

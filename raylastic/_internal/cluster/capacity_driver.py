@@ -5,30 +5,39 @@ node type to ask for; this driver turns that into a standing
 ``ray.autoscaler.sdk.request_resources`` request (one bundle per slot, with label
 selectors) and into the worker pool's per-node-type targets (pending actors that need the
 type's custom resource, so Ray places them on, and an autoscaler launches, that type).
+
+It also gives the policy what the cost and deadline rules need (the run's progress and
+its measured steps per second by world size), and watches the nodes the run stops using:
+a released node is billed until it leaves the cluster, so ``node_gone`` records when it
+did (the report's "released but billed" time, docs/release.md for how to make it short).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from ray.autoscaler.sdk import request_resources
 
 from raylastic.events import EventKind, EventLog
 from raylastic.policies.capacity import (
-    CapacityPolicy, CapacitySnapshot, CapacityState, GiveUp, MigrateToSpot, ReleaseOnDemand, RequestCapacity,
+    CapacityPolicy, CapacitySnapshot, CapacityState, DeadlineUnreachable, GiveUp, MigrateToSpot, ReleaseOnDemand,
+    RequestCapacity,
 )
+from raylastic.policies.objective import WorkProgress
 from raylastic.policies.node_types import Market
 
 logger = logging.getLogger("raylastic")
 
 TICK_S = 0.5
+RATE_WINDOW_S = 2.0  # measure steps/s over at least this long at one world size
+NODE_CHECK_S = 1.0  # how often nodes the run let go are checked for having left
 
 
 class CapacityDriver:
     def __init__(self, policy: CapacityPolicy, *, min_workers: int, max_workers: int, pool,
-                 events: EventLog):
+                 events: EventLog, total_steps: Optional[int] = None, fit_ts: Optional[float] = None):
         self.policy = policy
         self._min, self._max = min_workers, max_workers
         self._pool = pool
@@ -37,6 +46,12 @@ class CapacityDriver:
         self.requested: Dict[str, int] = {}
         self._last_tick = 0.0
         self.phase = None
+        self._total_steps = total_steps
+        self._fit_ts = fit_ts if fit_ts is not None else time.time()
+        self._rates: Dict[int, float] = {}  # steps/s by world size
+        self._mark: Optional[Tuple[int, float, int]] = None  # (world, t, index) of the window
+        self._held: Dict[str, Tuple[Optional[str], Optional[float]]] = {}  # node -> (type, let go at)
+        self._last_node_check = 0.0
 
     def start(self) -> None:
         """Record the configuration and prices (cost is computed from the event log)."""
@@ -54,13 +69,18 @@ class CapacityDriver:
         self._pool.set_targets({}, protect=[])  # nothing is ready yet: nothing to report
 
     def tick(self, members: List, draining: Dict[str, int], at_boundary: bool,
-             protect: Optional[List] = None) -> Optional[Union[MigrateToSpot, GiveUp]]:
+             protect: Optional[List] = None, index: int = 0,
+             training: bool = False) -> Optional[Union[MigrateToSpot, GiveUp, DeadlineUnreachable]]:
         """One policy step (at most every 0.5 s). Returns what the controller must carry
-        out itself: a migration, or giving up (``max_wait_s`` ran out)."""
+        out itself: a migration, or giving up (``max_wait_s`` ran out, or the deadline
+        cannot be met). ``index``: rank 0's last report; ``training``: the group is
+        stepping (its rate is measured)."""
         now = time.monotonic()
         if now - self._last_tick < TICK_S:
             return None
         self._last_tick = now
+        self._measure(now, len(members) if training else 0, index)
+        self._watch_nodes(now)
         ready: Dict[str, int] = {}
         for h in self._pool.workers.values():
             if h.ready and h.node_type is not None and h.node_id not in draining:
@@ -69,24 +89,73 @@ class CapacityDriver:
         for m in members:
             if m.node_type is not None:
                 in_group[m.node_type] = in_group.get(m.node_type, 0) + 1
+        progress = WorkProgress(elapsed_s=time.time() - self._fit_ts, steps_done=index,
+                                total_steps=self._total_steps, steps_per_s=self._rates)
         snap = CapacitySnapshot(now_s=now, min_workers=self._min, max_workers=self._max, ready=ready,
-                                in_group=in_group, requested=self.requested, at_checkpoint_boundary=at_boundary)
+                                in_group=in_group, requested=self.requested, at_checkpoint_boundary=at_boundary,
+                                progress=progress)
         step = self.policy.decide(snap, self._state)
         self._state, d, self.phase = step.state, step.decision, step.phase
         if isinstance(d, (RequestCapacity, ReleaseOnDemand)):
-            self._request(d.counts, members if protect is None else protect)
             self._events.emit(EventKind.DECISION, d.reason, decision=d.to_event()["kind"],
-                              counts=dict(d.counts), phase=step.phase.value)
+                              counts=dict(d.counts), phase=step.phase.value, numbers=dict(d.numbers))
+            self._request(d.counts, members if protect is None else protect)
             return None
         if isinstance(d, GiveUp):
             self._events.emit(EventKind.DECISION, d.reason, decision=d.to_event()["kind"],
                               waited_s=round(d.waited_s, 1), phase=step.phase.value)
             return d
+        if isinstance(d, DeadlineUnreachable):
+            self._events.emit(EventKind.DECISION, d.reason, decision=d.to_event()["kind"],
+                              phase=step.phase.value, numbers=dict(d.numbers))
+            return d
         if isinstance(d, MigrateToSpot):
             self._events.emit(EventKind.DECISION, d.reason, decision="capacity.migrate_to_spot",
-                              target=dict(d.target), workers=d.workers, phase=step.phase.value)
+                              target=dict(d.target), workers=d.workers, phase=step.phase.value,
+                              numbers=dict(d.numbers))
             return d
         return None
+
+    def _measure(self, now: float, world: int, index: int) -> None:
+        """Steps per second at this world size, over windows of >= RATE_WINDOW_S while the
+        group trains (a resize, a restore or a pause starts a new window)."""
+        if world <= 0:
+            self._mark = None
+            return
+        if self._mark is None or self._mark[0] != world or index < self._mark[2]:
+            self._mark = (world, now, index)
+            return
+        _, t0, i0 = self._mark
+        if now - t0 >= RATE_WINDOW_S and index > i0:
+            rate = (index - i0) / (now - t0)
+            old = self._rates.get(world)
+            self._rates[world] = rate if old is None else 0.5 * old + 0.5 * rate
+            self._mark = (world, now, index)
+
+    def _watch_nodes(self, now: float) -> None:
+        """Record ``node_gone`` when a node the run held a worker on has left the cluster."""
+        held_now = {h.node_id: h.node_type for h in self._pool.workers.values() if h.ready and h.node_id}
+        for node, ntype in held_now.items():
+            self._held[node] = (ntype, None)
+        let_go = [n for n in self._held if n not in held_now]
+        for node in let_go:
+            ntype, since = self._held[node]
+            if since is None:
+                self._held[node] = (ntype, time.time())
+        if not let_go or now - self._last_node_check < NODE_CHECK_S:
+            return
+        self._last_node_check = now
+        try:
+            import ray
+
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - no cluster view this tick: try again later
+            return
+        for node in let_go:
+            if node not in alive:
+                ntype, since = self._held.pop(node)
+                self._events.emit(EventKind.NODE_GONE, node_id=node, node_type=ntype, released_ts=since,
+                                  billed_after_release_s=round(time.time() - since, 2) if since else None)
 
     def _request(self, counts: Dict[str, int], members: List) -> None:
         try:

@@ -44,7 +44,7 @@ from raylastic.errors import (
 )
 from raylastic.events import EventKind, EventLog, LossCause
 from raylastic.policies.base import Noop, Raise, Resize, Wait
-from raylastic.policies.capacity import GiveUp, MigrateToSpot
+from raylastic.policies.capacity import DeadlineUnreachable, GiveUp, MigrateToSpot
 from raylastic.policies.failure import FailureCounts, FailureKind, FailurePolicy
 from raylastic.policies.node_types import Market
 from raylastic.policies.scaling import ElasticScalingPolicy, ScalingSnapshot
@@ -72,7 +72,7 @@ class Controller:
                  scaling: ScalingConfig, run: RunConfig, storage, run_rel: str, run_name: str, *,
                  scaling_policy: Optional[ElasticScalingPolicy] = None,
                  failure_policy: Optional[FailurePolicy] = None,
-                 group: Optional[WorkerGroup] = None):
+                 group: Optional[WorkerGroup] = None, fit_ts: Optional[float] = None):
         self._train_func = train_func
         self._config = train_loop_config
         self._scaling = scaling
@@ -99,7 +99,7 @@ class Controller:
         self._memory = MemoryRestore(self._group, self._ckpt, self._events)
         self._capacity = None if scaling.capacity is None else CapacityDriver(
             scaling.capacity, min_workers=scaling.min_workers, max_workers=scaling.max_workers,
-            pool=self._group.pool, events=self._events)
+            pool=self._group.pool, events=self._events, total_steps=run.total_steps, fit_ts=fit_ts)
         self._epoch = 0
         self._restarts = 0
         self._recoveries = 0
@@ -214,8 +214,10 @@ class Controller:
         # and the ready workers that hold in-memory snapshots: they are the state the next
         # group restores from (trimming them would force a storage read).
         protect = members + [h for h in self._group.ready_workers() if h.snapshots and h not in members]
-        d = self._capacity.tick(members, self._group.draining, boundary, protect=protect)
-        if isinstance(d, GiveUp):
+        training = isinstance(st, Running) and st.progress.reached(default=-1) >= 0
+        d = self._capacity.tick(members, self._group.draining, boundary, protect=protect,
+                                index=self._ingest.last_index, training=training)
+        if isinstance(d, (GiveUp, DeadlineUnreachable)):
             self._abort_all(f"capacity wait exhausted: {d.reason}")
             self._stop_members(members, graceful=False)
             self._set_state(Errored(d.error()))
