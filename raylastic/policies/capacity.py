@@ -228,6 +228,12 @@ class CapacityPolicy:
                 )
 
     @property
+    def unreachable_after_s(self) -> float:
+        """How long the deadline must look unreachable before the run ends: 5% of the
+        deadline, at least 1 s (one rate measurement does not end a run)."""
+        return max(1.0, 0.05 * (self.deadline_s or 0.0))
+
+    @property
     def spot_wait_after_s(self) -> float:
         """``spot_wait_s``, or half of ``max_wait_s`` when unset."""
         return self.max_wait_s / 2 if self.spot_wait_s is None else float(self.spot_wait_s)
@@ -360,7 +366,7 @@ class CapacityPolicy:
         plan, keep_d = self._plan(snap, ready_s, grp_d, short_since, low_since)
         unreachable = _since(state.unreachable_since_s, now) if plan.unreachable else None
         new_state = CapacityState(short_since, below_since, low_since, unreachable)
-        if unreachable is not None and now - unreachable >= max(1.0, 0.02 * (self.deadline_s or 0.0)):
+        if unreachable is not None and now - unreachable >= self.unreachable_after_s:
             return CapacityStep(DeadlineUnreachable(plan.reason, deadline_s=float(self.deadline_s or 0.0),
                                                     numbers=plan.numbers), new_state, CapacityPhase.FALLBACK)
 

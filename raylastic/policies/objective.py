@@ -30,7 +30,8 @@ the numbers):
   could still make it by adding every on-demand worker it may after a boot (the latest
   safe switch). On-demand workers are kept only while needed: spot returning, or the run
   pulling ahead, lowers the count. The deadline is reported unreachable when even
-  ``max_workers`` from now cannot make it. Under the pessimistic assumption that spot
+  ``max_workers`` from now would miss it by more than the margin (a run that would be
+  a little late keeps going with every worker it may have). Under the pessimistic assumption that spot
   never returns, the on-demand worker-seconds needed are the same now or later (linear
   scaling), so waiting only wins when spot does return; the margin covers the risk
   ("Can't Be Late", NSDI '24, makes the same trade with its uniform-progress rule).
@@ -184,9 +185,13 @@ def deadline_need(*, spot: int, on_demand_now: int, min_workers: int, max_worker
         "slack_s": _round(left_s - margin_s - full), "best_finish_s": _round(progress.elapsed_s + best_s),
         "spot_workers": spot,
         "on_demand_workers": on_demand_now}
-    if best_s > left_s:
+    if best_s > left_s + margin_s:
         return OnDemandPlan(d_max, f"deadline unreachable: {left_steps} steps at {max_workers} workers "
                                    f"take {best_s:.1f} s, {left_s:.1f} s left", numbers, unreachable=True)
+    if best_s > left_s:  # late by less than the margin: finish as soon as possible, don't end the run
+        return OnDemandPlan(d_max, f"deadline at risk: even {max_workers} workers finish "
+                                   f"{best_s - left_s:.1f} s late (within the margin); every on-demand "
+                                   "worker allowed", numbers)
     fits = [d for d in range(d_max + 1) if finish_s(d) <= budget]
     need = fits[0] if fits else d_max
     if spot < min_workers and (left_s - margin_s - full) > boot_s and need > on_demand_now:
@@ -197,9 +202,11 @@ def deadline_need(*, spot: int, on_demand_now: int, min_workers: int, max_worker
         why = f"releasing {on_demand_now - need} on-demand worker(s): {spot} spot + {need} on-demand " \
               f"finish at {progress.elapsed_s + finish_s(need):.1f} s, by the deadline less margin and boot"
     elif need > on_demand_now:
-        why = f"behind the deadline: {spot} spot + {on_demand_now} on-demand finish at " \
-              f"{numbers['projected_finish_s']} s > {deadline_s - margin_s:.1f} s (deadline less margin); " \
-              f"{need} on-demand worker(s) get back on track"
+        now_at = numbers["projected_finish_s"]
+        why = f"behind the deadline: {spot} spot + {on_demand_now} on-demand " + (
+              f"finish at {now_at} s" if now_at is not None else "cannot train") + \
+              f" (deadline less margin: {deadline_s - margin_s:.1f} s); {need} on-demand worker(s) " \
+              "get back on track"
     else:
         why = f"on track with {spot} spot + {need} on-demand worker(s)"
     return OnDemandPlan(need, why, numbers)

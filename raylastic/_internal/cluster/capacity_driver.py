@@ -49,7 +49,8 @@ class CapacityDriver:
         self._total_steps = total_steps
         self._fit_ts = fit_ts if fit_ts is not None else time.time()
         self._rates: Dict[int, float] = {}  # steps/s by world size
-        self._mark: Optional[Tuple[int, float, int]] = None  # (world, t, index) of the window
+        self._windows: Dict[int, Tuple[Optional[float], int]] = {}  # world -> (rate, windows)
+        self._mark: Optional[Tuple[int, float, int, bool]] = None  # (world, t, index, warm-up)
         self._held: Dict[str, Tuple[Optional[str], Optional[float]]] = {}  # node -> (type, let go at)
         self._last_node_check = 0.0
 
@@ -118,19 +119,24 @@ class CapacityDriver:
 
     def _measure(self, now: float, world: int, index: int) -> None:
         """Steps per second at this world size, over windows of >= RATE_WINDOW_S while the
-        group trains (a resize, a restore or a pause starts a new window)."""
+        group trains. A resize, a restore or a pause starts over, and the first window
+        after it is a warm-up (first steps, restores) and not counted. A world size's rate
+        is given to the policy once two windows agree enough to average."""
         if world <= 0:
             self._mark = None
             return
         if self._mark is None or self._mark[0] != world or index < self._mark[2]:
-            self._mark = (world, now, index)
+            self._mark = (world, now, index, True)
             return
-        _, t0, i0 = self._mark
+        _, t0, i0, warmup = self._mark
         if now - t0 >= RATE_WINDOW_S and index > i0:
-            rate = (index - i0) / (now - t0)
-            old = self._rates.get(world)
-            self._rates[world] = rate if old is None else 0.5 * old + 0.5 * rate
-            self._mark = (world, now, index)
+            if not warmup:
+                rate = (index - i0) / (now - t0)
+                old, n = self._windows.get(world, (None, 0))
+                self._windows[world] = (rate if old is None else 0.5 * old + 0.5 * rate, n + 1)
+                if n + 1 >= 2:
+                    self._rates[world] = self._windows[world][0]
+            self._mark = (world, now, index, False)
 
     def _watch_nodes(self, now: float) -> None:
         """Record ``node_gone`` when a node the run held a worker on has left the cluster."""

@@ -218,7 +218,8 @@ class Controller:
         d = self._capacity.tick(members, self._group.draining, boundary, protect=protect,
                                 index=self._ingest.last_index, training=training)
         if isinstance(d, (GiveUp, DeadlineUnreachable)):
-            self._abort_all(f"capacity wait exhausted: {d.reason}")
+            self._abort_all(f"capacity wait exhausted: {d.reason}" if isinstance(d, GiveUp)
+                            else f"capacity: {d.reason}")
             self._stop_members(members, graceful=False)
             self._set_state(Errored(d.error()))
         elif isinstance(d, MigrateToSpot) and isinstance(st, Running):
