@@ -46,6 +46,9 @@ from raylastic.policies.base import Noop
 from raylastic.policies.capacity_decisions import (  # noqa: F401 - re-exported
     CapacityDecision,
     CapacityPhase,
+    CapacitySnapshot,
+    CapacityState,
+    CapacityStep,
     CapacityTimeoutError,
     DeadlineUnreachable,
     DeadlineUnreachableError,
@@ -62,59 +65,6 @@ from raylastic.policies.node_types import (
     UnknownNodeTypeError,
 )
 from raylastic.policies.objective import Objective, OnDemandPlan, WorkProgress, cost_fill, deadline_need
-
-
-@dataclass(frozen=True, kw_only=True)
-class CapacitySnapshot:
-    """What the policy looks at. Times are seconds on one monotonic clock.
-
-    ``ready``: schedulable worker slots per node type (nodes with a preemption notice
-    excluded), in the group or not. ``in_group``: workers of the running group per node
-    type. ``requested``: the standing autoscaler request per node type (what the last
-    executed decision asked for). Missing node types count as 0.
-    """
-
-    now_s: float
-    min_workers: int
-    max_workers: int
-    ready: Mapping[str, int] = field(default_factory=dict)
-    in_group: Mapping[str, int] = field(default_factory=dict)
-    requested: Mapping[str, int] = field(default_factory=dict)
-    at_checkpoint_boundary: bool = False
-    progress: Optional[WorkProgress] = None  # for the cost and deadline rules
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.now_s, (int, float)) and math.isfinite(self.now_s)):
-            raise ValueError(f"CapacitySnapshot.now_s={self.now_s!r} must be a finite number")
-        if not 0 <= self.min_workers <= self.max_workers or self.max_workers < 1:
-            raise ValueError(
-                f"CapacitySnapshot: need 0 <= min_workers ({self.min_workers}) <= "
-                f"max_workers ({self.max_workers}) and max_workers >= 1"
-            )
-        for what in ("ready", "in_group", "requested"):
-            counts = dict(getattr(self, what))
-            for name, n in counts.items():
-                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                    raise ValueError(f"CapacitySnapshot.{what}[{name!r}]={n!r} must be an int >= 0")
-            object.__setattr__(self, what, counts)
-
-
-@dataclass(frozen=True)
-class CapacityState:
-    """The policy's memory between calls; start with ``CapacityState()``, then pass back
-    the ``state`` of the previous :class:`CapacityStep`."""
-
-    spot_short_since_s: Optional[float] = None
-    below_min_since_s: Optional[float] = None
-    spot_low_since_s: Optional[float] = None  # ready spot < min_workers since (cost rule)
-    unreachable_since_s: Optional[float] = None  # deadline reported unreachable since
-
-
-@dataclass(frozen=True)
-class CapacityStep:
-    decision: CapacityDecision
-    state: CapacityState
-    phase: CapacityPhase
 
 
 @dataclass(frozen=True, kw_only=True)
