@@ -426,6 +426,30 @@ def plot_pareto(results: Dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def markdown_table(results: Dict[str, Any]) -> str:
+    """The README's table: per trace and system, cost per 1k samples and wall time in both
+    units, goodput, samples trained again, deadline met, and the ratios to on-demand-only
+    and Ray Train."""
+    k = results.get("time_scale", {}).get("real_s_per_sim_s", 1.0)
+    lines = [f"| trace | system | $ / 1k samples (real, x{k:g}) | wall s (real min) | vs on-demand | "
+             "vs Ray Train: cost / wall | goodput | samples redone | deadline met |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for trace, row in results.get("summary", {}).items():
+        for system in SYSTEMS:
+            v = row.get(system)
+            if not isinstance(v, dict) or v.get("cost_per_1k_samples_usd") is None:
+                continue
+            vs_od = row.get(f"{system}_vs_on_demand", 1.0 if system == "raylastic_on_demand" else None)
+            rt = (f"{row[f'{system}_vs_ray_train']:.2f}x / {row[f'{system}_wall_vs_ray_train']:.2f}x"
+                  if f"{system}_vs_ray_train" in row else "")
+            lines.append(
+                f"| {trace} | {system} | {v['cost_per_1k_samples_usd']:.5f} ({v['cost_per_1k_samples_real_usd']:.4f}) | "
+                f"{v['wall_s']:.0f} ({v['wall_real_s'] / 60:.0f}) | {'' if vs_od is None else f'{vs_od:.2f}x'} | {rt} | "
+                f"{v['goodput']:.2f} | {v['samples_trained_again']} | "
+                f"{'yes' if v['deadline_met'] else 'no'}{'' if v.get('finished') else ' (unfinished)'} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     from raylastic.sim import TimeScale, load_trace, shipped_trace
 
@@ -445,7 +469,12 @@ def main() -> None:
     p.add_argument("--fit-timeout-s", type=float, default=900.0)
     p.add_argument("--merge", action="store_true", help="update the existing JSON instead of replacing it")
     p.add_argument("--out", default=os.path.join(RESULTS, "spot_economics.json"))
+    p.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
     args = p.parse_args()
+    if args.table:
+        with open(args.out, encoding="utf-8") as fh:
+            print(markdown_table(json.load(fh)))
+        return
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
     scale = TimeScale(args.time_scale)
     work = dict(WORK, epochs=2 if args.quick else args.epochs)

@@ -246,12 +246,13 @@ class RunConfig:
             _check(isinstance(self.total_steps, int) and self.total_steps >= 1,
                    f"RunConfig.total_steps must be an int >= 1 or None, got {self.total_steps!r}.")
         if self.name is not None:
+            problem = _run_name_problem(self.name)
             _check(
-                isinstance(self.name, str)
-                and self.name.strip() != ""
-                and "/" not in self.name
-                and self.name not in (".", ".."),
-                f"RunConfig.name must be a non-empty string without '/', got {self.name!r}.",
+                problem is None,
+                f"RunConfig.name {self.name!r} is not a plain directory name: {problem}. It names "
+                "the run's directory in storage, and storage backends (Azure's adlfs) read '*', "
+                "'?' and '[' as patterns that match other runs. Fix: use letters, digits, '-', "
+                "'_' and '.', e.g. RunConfig(name='my-run-1').",
             )
         _check(
             isinstance(self.storage_path, (str, os.PathLike)) and str(self.storage_path) != "",
@@ -270,6 +271,24 @@ class RunConfig:
             isinstance(self.poll_interval_s, (int, float)) and 0 < self.poll_interval_s <= 10,
             f"RunConfig.poll_interval_s must be in (0, 10] seconds, got {self.poll_interval_s!r}.",
         )
+
+
+_GLOB_CHARS = "*?[]"
+_SEPARATORS = "/\\"
+
+
+def _run_name_problem(name: Any) -> Optional[str]:
+    """Why ``name`` cannot be a run's directory name, or None (see docs/security.md)."""
+    if not isinstance(name, str) or name.strip() == "":
+        return "it must be a non-empty string"
+    if name in (".", ".."):
+        return "'.' and '..' are not directory names"
+    bad = sorted({c for c in name if c in _GLOB_CHARS + _SEPARATORS})
+    if bad:
+        return f"it contains {', '.join(repr(c) for c in bad)}"
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in name):
+        return "it contains a control character"
+    return None
 
 
 def describe(obj: Any) -> Dict[str, Any]:

@@ -1,7 +1,13 @@
 """Elastic DDP under plain torchrun, rendezvous in Azure Table Storage. CPU, gloo, tiny.
 
-Run on every node (AzureML / plain VMs; see docs/torchrun_azure.md):
+Run on every node (AzureML / plain VMs; see docs/torchrun_azure.md), with the job's state key in
+the environment: the same secret on every node, generated once with
+``python -c 'import secrets; print(secrets.token_hex(32))'`` and kept in a secret store, never on a
+command line or in a log (the backend refuses to start without it; the opt-out
+``RAYLASTIC_RDZV_INSECURE_NO_HMAC=1`` lets anyone who can write the table run code on every agent,
+see docs/security.md):
 
+    export RAYLASTIC_RDZV_HMAC_KEY=<the job's key, from your secret store>
     torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=azure-table \\
         --rdzv-endpoint=https://<account>.table.core.windows.net --rdzv-id=$RUN_ID \\
         --max-restarts=10 examples/torchrun_azure/train.py \\

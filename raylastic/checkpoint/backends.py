@@ -14,6 +14,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pyarrow.fs as pafs
 
+from raylastic.checkpoint.names import LiteralFSSpecHandler
 from raylastic.checkpoint.retry import _redact
 
 logger = logging.getLogger("raylastic.checkpoint.storage")
@@ -288,7 +289,8 @@ def _azure_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
     afs = AzureBlobFileSystem(skip_instance_cache=True, connection_timeout=5, read_timeout=60,
                               **kwargs)
     _bound_azure_sdk_retries(afs)
-    fs = pafs.PyFileSystem(pafs.FSSpecHandler(afs))
+    # adlfs expands glob patterns in rm(): deletes go through a handler that names exact paths.
+    fs = pafs.PyFileSystem(LiteralFSSpecHandler(afs))
     where = f" at {creds.endpoint}" if creds.endpoint else ""
     account = f" in account {creds.account_name!r}" if creds.account_name else ""
     target = f"azure container {p.bucket!r}{account}{where} (credentials: {creds.source})"

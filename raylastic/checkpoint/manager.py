@@ -192,6 +192,10 @@ class CheckpointManager:
         writers = {r.rank for r in with_ckpt}
         self._writers_this_epoch = writers if self._writers_this_epoch is None else self._writers_this_epoch | writers
         rel = with_ckpt[0].checkpoint_rel
+        if not self._owns(rel):  # never write (or later delete) outside this run's checkpoints
+            logger.error("not committing checkpoint %d: %r is not a checkpoint directory of this run "
+                         "(%s/checkpoint_<index>-e<epoch>)", index, rel, self._dir)
+            return None
         files = sorted({tuple(f) for r in with_ckpt for f in r.files})
         rank0 = by_rank.get(0) or with_ckpt[0]
         ckpt = CommittedCheckpoint(
@@ -227,6 +231,11 @@ class CheckpointManager:
             return
         while len(self._committed) > self._num_to_keep:
             old = self._committed[0]
+            if not self._owns(old.rel):
+                logger.warning("not deleting checkpoint %s: not a checkpoint directory of this run "
+                               "(%s/checkpoint_<index>-e<epoch>)", old.rel, self._dir)
+                self._committed.pop(0)
+                continue
             # Manifest first: a half-deleted directory must never look committed. If that
             # delete fails (StorageError) the checkpoint is still committed and still listed;
             # once it succeeds, a failed directory delete leaves an uncommitted directory,
@@ -237,6 +246,12 @@ class CheckpointManager:
             self._events.emit(EventKind.CHECKPOINT_DELETED, index=old.index, path=old.rel,
                               reason=f"num_to_keep={self._num_to_keep}")
 
+    def _owns(self, rel: str) -> bool:
+        """Whether ``rel`` is exactly ``<run>/checkpoints/<checkpoint dir>``: retention and
+        cleanup delete nothing else (names are compared whole, never as patterns)."""
+        head, sep, name = rel.rpartition("/")
+        return bool(sep) and head == self._dir and _DIR_RE.fullmatch(name) is not None
+
     def delete_uncommitted(self) -> None:
         """Remove directories no group can commit any more (writers are all stopped).
 
@@ -246,7 +261,7 @@ class CheckpointManager:
         committed = {c.rel for c in self._committed}
         for name in self._storage.list_dir(self._dir):
             rel = f"{self._dir}/{name}"
-            if not _DIR_RE.match(name) or rel in committed:
+            if not self._owns(rel) or rel in committed:
                 continue
             if self._storage.exists(f"{rel}/{MANIFEST}"):
                 continue  # a corrupt manifest: keep the files for a human to look at

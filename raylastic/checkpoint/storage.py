@@ -51,6 +51,7 @@ from raylastic.checkpoint.backends import (  # noqa: F401 - some re-exported
     GCS_EMULATOR_VARS, _BACKENDS, _join, describe_aws_credentials, describe_gcs_credentials, parse_uri,
     select_azure_credentials,
 )
+from raylastic.checkpoint.names import UnsafeObjectNameError, local_target, relative_to
 from raylastic.checkpoint.retry import (  # noqa: F401 - some re-exported
     PermanentStorageError, RetryPolicy, StorageError, T, TransientStorageError, _redact, classify_error,
     retry_call,
@@ -60,6 +61,7 @@ __all__ = [
     "StorageError",
     "TransientStorageError",
     "PermanentStorageError",
+    "UnsafeObjectNameError",
     "RetryPolicy",
     "Storage",
     "classify_error",
@@ -252,24 +254,36 @@ class Storage:
         return files
 
     def download_dir(self, rel: str, local_dir: str) -> None:
-        """Copy every file under ``rel`` into ``local_dir``; FileNotFoundError if none exist."""
+        """Copy every file under ``rel`` into ``local_dir``; FileNotFoundError if none exist.
+
+        Listed names are data: each must lie below ``rel`` (by path components) and map to a
+        plain relative path inside ``local_dir`` (no '..', absolute path, control character
+        or symbolic link out of it), else UnsafeObjectNameError names the object. All names
+        are checked before anything is written."""
         base = self.path(rel)
         selector = pafs.FileSelector(base, allow_not_found=True, recursive=True)
         infos = self._call("list", rel, lambda: self.fs.get_file_info(selector))
         files = [i.path for i in infos if i.type == pafs.FileType.File]
         if not files:
             raise FileNotFoundError(f"no files under {rel!r} in {self.uri}")
-        prefix = base.rstrip("/") + "/"
+        where = f" (under {rel!r} in {self.uri})"
+        plan = []
+        for src in files:
+            name = relative_to(src, base)
+            if name is None:
+                raise UnsafeObjectNameError(
+                    f"refusing to download {src!r}{where}: the listing returned an object outside "
+                    f"{rel!r}; nothing was downloaded")
+            plan.append((src, name, local_target(local_dir, name, where)))
 
-        def one(src: str) -> None:
-            name = src[len(prefix):] if src.startswith(prefix) else os.path.basename(src)
-            dst = os.path.join(local_dir, *name.split("/"))
+        def one(item: tuple[str, str, str]) -> None:
+            src, name, dst = item
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             self._call("download", f"{rel}/{name}", lambda: _copy_stream(
                 self._open_input, src, pafs.LocalFileSystem(), dst))
 
         os.makedirs(local_dir, exist_ok=True)
-        self._map(one, files)
+        self._map(one, plan)
 
     def delete_dir(self, rel: str) -> None:
         """Remove ``rel`` and everything under it; no error if it is missing."""
@@ -310,6 +324,8 @@ class Storage:
             return
         selector = pafs.FileSelector(path, allow_not_found=True, recursive=False)
         for info in self.fs.get_file_info(selector):
+            if relative_to(info.path, path) is None:
+                continue  # never act on anything outside ``path``
             if info.type == pafs.FileType.Directory:
                 self._sweep_empty_dirs(info.path)
             elif info.type == pafs.FileType.File:

@@ -3,7 +3,8 @@
 - ``parse_endpoint``: ``--rdzv-endpoint`` -> ``TableEndpoint`` (or an error naming the fix).
 - ``resolve_credential``: the documented credential order, from an explicit environment mapping.
 
-This is the only module of the package that reads environment variables.
+This module and ``_auth`` (the state key) are the only ones of the package that read
+environment variables.
 """
 
 from __future__ import annotations

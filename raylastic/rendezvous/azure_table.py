@@ -11,6 +11,10 @@ exit barrier) lives in the same partition (``AzureTableStore``). The workers' pr
 bootstrapped per round by the round's rank 0 (agent store sharing is switched off, see
 ``create_handler``), so it never points at a node that left.
 
+torch unpickles the state, so every state entity carries an HMAC-SHA256 under the job's key
+(``RAYLASTIC_RDZV_HMAC_KEY``) and a row without a valid one is refused before torch sees it
+(``_auth``; docs/security.md).
+
 See docs/torchrun_azure.md for the command line, credentials, limits and cleanup.
 """
 
@@ -36,6 +40,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as _dynamic_handler
 
+from raylastic.rendezvous._auth import StateAuth
 from raylastic.rendezvous._endpoint import parse_endpoint, resolve_credential
 from raylastic.rendezvous._table import (
     RetrySettings,
@@ -67,11 +72,15 @@ _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 class AzureTableRendezvousBackend(RendezvousBackend):
-    """``RendezvousBackend`` over one Azure Table entity per run, ETag as fencing token."""
+    """``RendezvousBackend`` over one Azure Table entity per run, ETag as fencing token.
 
-    def __init__(self, ops: TableOps, run_id: str) -> None:
+    ``auth`` authenticates the state (``_auth.StateAuth``); None reads the key from the
+    environment (``RAYLASTIC_RDZV_HMAC_KEY``) and raises ValueError without one."""
+
+    def __init__(self, ops: TableOps, run_id: str, auth: Optional[StateAuth] = None) -> None:
         if not run_id:
             raise ValueError("the run id must be a non-empty string: pass --rdzv-id=<run>")
+        self._auth = auth if auth is not None else StateAuth.from_env()
         self._ops = ops
         self._run_id = run_id
         self._pk = partition_key(run_id)
@@ -91,7 +100,10 @@ class AzureTableRendezvousBackend(RendezvousBackend):
                 f"{self._what} has format {fmt!r}, expected {STATE_FORMAT}: written by another "
                 f"version of raylastic? Use a new --rdzv-id or clean the run up"
             )
-        return unpack_chunks(entity, "s", self._what), entity.metadata["etag"]
+        state = unpack_chunks(entity, "s", self._what)
+        # torch unpickles what we return: only state written with the job's key gets there.
+        self._auth.verify(entity, self._pk, STATE_FORMAT, state, self._what)
+        return state, entity.metadata["etag"]
 
     def set_state(self, state: bytes, token: Optional[Token] = None) -> Optional[tuple[bytes, Token, bool]]:
         """See ``RendezvousBackend.set_state``; the token is the entity's ETag.
@@ -109,6 +121,7 @@ class AzureTableRendezvousBackend(RendezvousBackend):
             "RunId": self._run_id,
             "Format": STATE_FORMAT,
             **pack_chunks(state, "s", self._what),
+            **self._auth.seal(self._pk, STATE_FORMAT, state),
         }
         client = self._ops.client
         if not token:
@@ -206,7 +219,11 @@ def create_backend(params: RendezvousParameters) -> tuple[AzureTableRendezvousBa
     ops = TableOps(endpoint, credential, retry)
     logger.info("azure-table rendezvous: run %r in %s (credentials: %s)", params.run_id, ops.where, source)
     ops.ensure_table()
-    backend = AzureTableRendezvousBackend(ops, params.run_id)
+    auth = StateAuth.from_env()  # after the endpoint and credentials: their errors come first
+    how = f"authenticated with HMAC-SHA256 (key from {auth.source})" if auth.enabled else (
+        f"NOT authenticated ({auth.source})")
+    logger.info("azure-table rendezvous: state %s", how)
+    backend = AzureTableRendezvousBackend(ops, params.run_id, auth)
     store = AzureTableStore(ops, params.run_id, timeout=timedelta(seconds=settings.store_timeout_s))
     return backend, store
 

@@ -5,8 +5,12 @@
     python -m raylastic.rendezvous.cleanup --endpoint ... --run-id <rdzv-id>
 
 A run is one partition (rendezvous state + control-plane keys). ``--older-than`` deletes every
-partition whose newest entity is older than the cutoff: a live run's state entity is rewritten by
-each keep-alive heartbeat, so live runs are never touched. Credentials are found as for torchrun
+rendezvous partition whose newest entity is older than the cutoff: a live run's state entity is
+rewritten by each keep-alive heartbeat, so live runs are never touched. ``--run-id`` queries and
+deletes that run's partition only. Only what this backend writes is ever deleted: partitions named
+``run-<id>``/``runh-<hash>`` holding nothing but its rows (``state``, ``kv-*``, ``kvh-*``); any
+other partition or row in a shared table is left alone (a partition that mixes in foreign rows is
+skipped whole, with a line saying so). Credentials are found as for torchrun
 (docs/torchrun_azure.md); nothing secret is printed.
 """
 
@@ -33,24 +37,43 @@ def parse_age(text: str) -> timedelta:
     return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def _partitions(ops: TableOps) -> dict:
-    """PartitionKey -> (row keys, newest timestamp, run id if known)."""
+_OUR_PARTITION = re.compile(r"run-[A-Za-z0-9._:@=+-]{1,200}|runh-[0-9a-f]{40}")
+_OUR_ROW = re.compile(r"state|kv-[A-Za-z0-9_-]*|kvh-[0-9a-f]{64}")
+_SELECT = ["PartitionKey", "RowKey", "RunId", "Timestamp"]
+
+
+def is_rendezvous_row(pk: str, rk: str) -> bool:
+    """Whether (PartitionKey, RowKey) has the shape this backend writes (``partition_key``,
+    the state row, ``AzureTableStore`` keys)."""
+    return _OUR_PARTITION.fullmatch(pk or "") is not None and _OUR_ROW.fullmatch(rk or "") is not None
+
+
+def _partitions(ops: TableOps, pk: Optional[str] = None) -> dict:
+    """PartitionKey -> (row keys, newest timestamp, run id if known); only partition ``pk``
+    (a query on that partition) when given, else a scan of the table."""
     rows: dict = defaultdict(list)
     newest: dict = {}
     run_ids: dict = {}
 
-    def scan() -> None:
-        for entity in ops.client.list_entities(select=["PartitionKey", "RowKey", "RunId", "Timestamp"]):
-            pk = entity["PartitionKey"]
-            rows[pk].append(entity["RowKey"])
-            stamp = entity.metadata.get("timestamp")
-            if stamp is not None and (pk not in newest or stamp > newest[pk]):
-                newest[pk] = stamp
-            if entity.get("RunId"):
-                run_ids[pk] = entity["RunId"]
+    def entities():
+        if pk is None:
+            return ops.client.list_entities(select=_SELECT)
+        return ops.client.query_entities("PartitionKey eq @pk", parameters={"pk": pk}, select=_SELECT)
 
-    ops.call("list_entities", scan)
-    return {pk: (rows[pk], newest.get(pk), run_ids.get(pk, pk)) for pk in rows}
+    def scan() -> None:
+        for found in (rows, newest, run_ids):  # a retried scan starts over
+            found.clear()
+        for entity in entities():
+            key = entity["PartitionKey"]
+            rows[key].append(entity["RowKey"])
+            stamp = entity.metadata.get("timestamp")
+            if stamp is not None and (key not in newest or stamp > newest[key]):
+                newest[key] = stamp
+            if entity.get("RunId"):
+                run_ids[key] = entity["RunId"]
+
+    ops.call("list_entities" if pk is None else "query_entities", scan)
+    return {key: (rows[key], newest.get(key), run_ids.get(key, key)) for key in rows}
 
 
 def _delete_partition(ops: TableOps, pk: str, row_keys: list) -> None:
@@ -76,8 +99,14 @@ def cleanup(
     cutoff = (now or datetime.now(timezone.utc)) - older_than if older_than is not None else None
     wanted = partition_key(run_id) if run_id is not None else None
     deleted = []
-    for pk, (row_keys, newest, rid) in sorted(_partitions(ops).items()):
+    for pk, (row_keys, newest, rid) in sorted(_partitions(ops, wanted).items()):
         if wanted is not None and pk != wanted:
+            continue
+        foreign = [rk for rk in row_keys if not is_rendezvous_row(pk, rk)]
+        if foreign:
+            if wanted is not None or _OUR_PARTITION.fullmatch(pk):
+                print(f"skipping partition {pk!r}: {len(foreign)} of its rows were not written by the "
+                      f"azure-table rendezvous (e.g. {foreign[0]!r})", file=out)
             continue
         if cutoff is not None and (newest is None or newest >= cutoff):
             continue  # fresh, or of unknown age: never guess towards deleting

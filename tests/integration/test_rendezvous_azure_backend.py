@@ -23,6 +23,18 @@ from raylastic.testing.azurite import Azurite, find_azurite
 
 pytestmark = pytest.mark.skipif(find_azurite() is None, reason="azurite not installed (make install)")
 
+# The state key every backend here authenticates its state rows with (docs/security.md): fixed,
+# 64 hex characters, as `python -c 'import secrets; print(secrets.token_hex(32))'` makes them.
+TEST_HMAC_KEY = "5f0c2a9e7b41d8c3e6a1f09b2d7c4e85a3b6f1d0c9e8a7b2f4d1c6e3a0b9f8d7"
+
+
+@pytest.fixture(autouse=True)
+def _rdzv_state_key(monkeypatch):
+    """Every backend and handler of this module reads the key from the environment, as torchrun
+    agents do; an ambient opt-out from the developer's shell must not weaken the tests."""
+    monkeypatch.setenv("RAYLASTIC_RDZV_HMAC_KEY", TEST_HMAC_KEY)
+    monkeypatch.delenv("RAYLASTIC_RDZV_INSECURE_NO_HMAC", raising=False)
+
 
 @pytest.fixture(scope="module")
 def azurite():
@@ -134,9 +146,10 @@ def test_a_rejected_write_with_the_current_token_is_a_connection_error(azurite):
     backend = AzureTableRendezvousBackend(ops, "r" * 40_000)  # RunId property > 64 KiB: 400
     with pytest.raises(RendezvousConnectionError, match="HTTP 400"):
         backend.set_state(b"v1")
-    meta = ops.client.create_entity(
-        {"PartitionKey": backend._pk, "RowKey": "state", "Format": 1, **pack_chunks(b"v1", "s", "s")}
-    )
+    meta = ops.client.create_entity({
+        "PartitionKey": backend._pk, "RowKey": "state", "Format": 1, **pack_chunks(b"v1", "s", "s"),
+        **backend._auth.seal(backend._pk, 1, b"v1"),  # the MAC get_state checks
+    })
     assert backend.get_state() == (b"v1", meta["etag"])
     with pytest.raises(RendezvousConnectionError, match="HTTP 400.*exceeds"):
         backend.set_state(b"v2", meta["etag"])

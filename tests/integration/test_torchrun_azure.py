@@ -5,6 +5,8 @@ examples/torchrun_azure/train.py with ``--nnodes=2:3``: training starts with 2, 
 the third agent starts, survives SIGKILL of the first agent and its worker (usually rank 0), and
 finishes. The pace is set by events, not sleeps: the script's ``--hold-file`` makes rank 0 wait
 before a step until the test raises the limit, so each phase is observed before the next begins.
+Every agent gets the same state key (``RAYLASTIC_RDZV_HMAC_KEY``) through its environment, as on
+a real job; without one torchrun fails at startup naming the fix.
 """
 
 from __future__ import annotations
@@ -38,8 +40,20 @@ ENTRY_POINT_HELP = (
     '                        azure-table = "raylastic.rendezvous.azure_table:torchrun_handler"\n'
     "then reinstall: .venv/bin/pip install --no-deps -e ."
 )
+KEY_ENV = "RAYLASTIC_RDZV_HMAC_KEY"
+INSECURE_ENV = "RAYLASTIC_RDZV_INSECURE_NO_HMAC"
+# The job's state key (docs/security.md): fixed, 64 hex characters, as
+# `python -c 'import secrets; print(secrets.token_hex(32))'` makes them.
+TEST_HMAC_KEY = "5f0c2a9e7b41d8c3e6a1f09b2d7c4e85a3b6f1d0c9e8a7b2f4d1c6e3a0b9f8d7"
 
 pytestmark = pytest.mark.skipif(find_azurite() is None, reason="azurite not installed (make install)")
+
+
+@pytest.fixture(autouse=True)
+def _rdzv_state_key(monkeypatch):
+    """The key every agent of a test's job shares; ``_clean_env`` passes it to the agents."""
+    monkeypatch.setenv(KEY_ENV, TEST_HMAC_KEY)
+    monkeypatch.delenv(INSECURE_ENV, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +69,11 @@ def _require_entry_point() -> None:
 
 
 def _clean_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AZURE_STORAGE_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    """The agents' environment: no ambient Azure credentials, no insecure opt-out, and the state
+    key (set by ``_rdzv_state_key``) passed through, so all agents of a job share it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AZURE_STORAGE_") and k != INSECURE_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{KEY_ENV: os.environ[KEY_ENV]})
+    env.update(extra)
     return env
 
 
@@ -191,6 +208,9 @@ def test_torchrun_grows_shrinks_and_finishes(azurite, tmp_path):
         assert (agents.ckpt / "LATEST").read_text() == f"ckpt-{STEPS:08d}.pt"
         restarts = [r for r in agents.records("start") if r["world_size"] == 2 and r["resumed_step"] >= 8]
         assert len(restarts) == 2, "both survivors resume from the step-8 checkpoint or later"
+        for name in agents.procs:
+            log = (tmp_path / f"agent-{name}.log").read_text(errors="replace")
+            assert TEST_HMAC_KEY not in log, f"agent {name} logged the state key"
         print(f"killed agent a (rank {victim_ranks}); world sizes {_world_sizes(steps)}")
     finally:
         agents.close()
@@ -219,3 +239,28 @@ def test_torchrun_bad_input_names_the_fix(azurite, tmp_path, case, endpoint, env
     for text in expected:
         assert text in output, f"{case}: {text!r} missing from:\n{output[-3000:]}"
     assert "a2V5" not in output, "a credential was logged"
+    assert TEST_HMAC_KEY not in output, "the state key was logged"
+
+
+@pytest.mark.parametrize(
+    "key, expected",
+    [("", "needs a state key"), ("short-key-0123", "too short to be a key")],
+    ids=["missing", "short"],
+)
+def test_torchrun_without_a_usable_state_key_names_the_fix(azurite, tmp_path, key, expected):
+    """The endpoint and credentials are fine; the agent refuses to start without the job's key
+    and says how to make one, never echoing what it was given."""
+    _require_entry_point()
+    cmd = [
+        TORCHRUN, "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=azure-table",
+        f"--rdzv-endpoint={azurite.table_endpoint}", "--rdzv-id=no-key",
+        str(TRAIN), "--checkpoint", str(tmp_path / "ckpt"),
+    ]
+    env = _clean_env(AZURE_STORAGE_CONNECTION_STRING=azurite.connection_string, **{KEY_ENV: key})
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    for text in (expected, KEY_ENV, "secrets.token_hex(32)", f"{INSECURE_ENV}=1"):
+        assert text in output, f"{text!r} missing from:\n{output[-3000:]}"
+    assert not key or key not in output, "the state key was logged"
+    assert azurite.account_key not in output, "a credential was logged"
