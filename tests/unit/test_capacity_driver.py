@@ -142,3 +142,45 @@ def test_decisions_carry_their_numbers(driver, monkeypatch):
     assert out is None
     req = [e for e in events.records if e.get("decision") == "capacity.request"]
     assert req and req[-1]["numbers"]["deadline_s"] == 300 and req[-1]["numbers"]["remaining_steps"] == 100
+
+
+@dataclass(eq=False)
+class Worker:
+    wid: int
+    snapshots: List[int]
+    node_id: str = ""
+    node_type: str = "on_demand"
+    ready: bool = True
+
+
+def test_a_spare_holding_only_superseded_snapshots_is_not_protected():
+    from raylastic._internal.worker_group.pool import spares_holding_needed_state
+
+    members = [Worker(1, [10, 12]), Worker(2, [12])]
+    old, newer = Worker(3, [8, 10]), Worker(4, [14])
+    ready = members + [old, newer]
+    assert spares_holding_needed_state(ready, members, running=True) == [newer]
+    # while the group is not running (forming, restoring), every holder is kept
+    assert spares_holding_needed_state(ready, members, running=False) == [old, newer]
+    # a member without snapshots yet: the group may still need the spare's
+    assert spares_holding_needed_state([old, newer], [Worker(1, [])], running=True) == [old, newer]
+
+
+def test_trim_releases_workers_above_the_request_once_unprotected(driver):
+    d, pool, events, _clock = driver
+    released = []
+
+    def set_targets(targets, protect):
+        out = [h for h in pool.workers.values() if h not in protect and h.node_type == "on_demand"
+               and targets.get("on_demand", 0) == 0]
+        released.extend(out)
+        return out
+
+    pool.set_targets = set_targets
+    w = Worker(7, [3], node_id="n7")
+    pool.workers = {7: w}
+    d.requested = {"spot": 3, "on_demand": 0}
+    d._trim([w])
+    assert not events.records  # protected: holds state the group needs
+    d._trim([])
+    assert [e["kind"] for e in events.records] == ["worker_released"] and events.records[0]["node_id"] == "n7"

@@ -81,6 +81,7 @@ class CapacityDriver:
             return None
         self._last_tick = now
         self._measure(now, len(members) if training else 0, index)
+        self._trim(members if protect is None else protect)
         self._watch_nodes(now)
         ready: Dict[str, int] = {}
         for h in self._pool.workers.values():
@@ -163,13 +164,22 @@ class CapacityDriver:
                 self._events.emit(EventKind.NODE_GONE, node_id=node, node_type=ntype, released_ts=since,
                                   billed_after_release_s=round(time.time() - since, 2) if since else None)
 
+    def _trim(self, keep: List) -> None:
+        """Release workers above the standing request that were kept only while they held
+        state the group needed (protection lapses when the group has newer snapshots)."""
+        if self.requested:
+            self._release(self._pool.set_targets(dict(self.requested), protect=keep))
+
     def _request(self, counts: Dict[str, int], members: List) -> None:
         try:
             request_resources(**self.policy.request_args(counts))
         except Exception as e:  # noqa: BLE001 - no autoscaler (a static cluster): pools still work
             logger.info("request_resources failed (%s); relying on pending actors", e)
         self.requested = dict(counts)
-        for h in self._pool.set_targets(dict(counts), protect=members):
+        self._release(self._pool.set_targets(dict(counts), protect=members))
+
+    def _release(self, released: List) -> None:
+        for h in released:
             # the report's node-hours end a node's interval at this event
             self._events.emit(EventKind.WORKER_RELEASED, wid=h.wid, node_id=h.node_id,
                               node_type=h.node_type, reason="capacity target lowered")

@@ -33,7 +33,7 @@ from raylastic._internal.controller.states import (
 from raylastic._internal.worker_group.group import (
     ABORT_JOIN_MIN_S, GroupFormationError, Interrupted, MembersLost, PollBatch, WorkerGroup,
 )
-from raylastic._internal.worker_group.pool import WorkerHandle
+from raylastic._internal.worker_group.pool import WorkerHandle, spares_holding_needed_state
 from raylastic._internal.worker_group.results import PollResult, WorkerStatus, cause_text, rank_errors
 from raylastic.checkpoint.manager import CheckpointManager
 from raylastic.checkpoint.storage import StorageError
@@ -211,9 +211,13 @@ class Controller:
         self._last_committed_seen = latest.index if latest else None
         self._group.drained(members)  # refresh the draining view the policy excludes
         # Keep the group's members (also while a graceful stop runs over several ticks),
-        # and the ready workers that hold in-memory snapshots: they are the state the next
-        # group restores from (trimming them would force a storage read).
-        protect = members + [h for h in self._group.ready_workers() if h.snapshots and h not in members]
+        # and the ready workers that hold in-memory snapshots the members do not have
+        # newer copies of: they are the state the next group restores from (trimming them
+        # would force a storage read). Once the running group holds newer snapshots, a
+        # worker that left it (an on-demand worker moved off) is released and its node
+        # stops costing money.
+        protect = members + spares_holding_needed_state(self._group.ready_workers(), members,
+                                                        isinstance(st, Running))
         training = isinstance(st, Running) and st.progress.reached(default=-1) >= 0
         d = self._capacity.tick(members, self._group.draining, boundary, protect=protect,
                                 index=self._ingest.last_index, training=training)
@@ -492,4 +496,3 @@ class Controller:
             "return_value": st.return_value if isinstance(st, Finished) else None,
             "restarts": self._restarts,
         }
-

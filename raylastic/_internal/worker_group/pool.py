@@ -171,3 +171,13 @@ class WorkerPool:
         for h in list(self.workers.values()):
             self.remove(h, kill=True)
 
+
+def spares_holding_needed_state(ready: List, members: List, running: bool) -> List:
+    """Ready workers outside the group whose in-memory snapshots the group may still need:
+    all of them, unless the running group's members each hold a snapshot at least as new
+    as the spare's newest (then the spare is redundant and may be released)."""
+    spares = [h for h in ready if h.snapshots and h not in members]
+    if not (running and members and all(m.snapshots for m in members)):
+        return spares
+    newest = min(max(m.snapshots) for m in members)
+    return [h for h in spares if max(h.snapshots) > newest]
