@@ -192,7 +192,10 @@ def deadline_need(*, spot: int, on_demand_now: int, min_workers: int, max_worker
         return OnDemandPlan(d_max, f"deadline at risk: even {max_workers} workers finish "
                                    f"{best_s - left_s:.1f} s late (within the margin); every on-demand "
                                    "worker allowed", numbers)
-    fits = [d for d in range(d_max + 1) if finish_s(d) <= budget]
+    # Keeping today's on-demand workers needs no boot; adding one does, and so does
+    # dropping one (hysteresis: if that proves wrong, a new node must boot in time).
+    fits = [d for d in range(d_max + 1)
+            if finish_s(d) <= (left_s - margin_s if d == on_demand_now else budget)]
     need = fits[0] if fits else d_max
     if spot < min_workers and (left_s - margin_s - full) > boot_s and need > on_demand_now:
         return OnDemandPlan(min(need, on_demand_now),

@@ -227,3 +227,18 @@ def test_deadline_a_little_late_keeps_going_with_every_worker():
     need = deadline_need(spot=1, on_demand_now=0, min_workers=2, max_workers=3, max_on_demand=3,
                          deadline_s=300, margin_s=30, boot_s=10, progress=prog(-20, 0))
     assert need.workers == 2 and not need.unreachable and "at risk" in need.reason
+
+
+def test_deadline_keeps_what_it_has_without_counting_a_boot():
+    # 2 spot workers at 0.25 step/s/worker, 100 steps: 200 s. 600 - 340 - 60 = 200 s left
+    # before the margin: on track as is, although a new node's boot would not fit.
+    policy = CapacityPolicy(deadline_s=600, on_demand_boot_s=30, max_wait_s=900, prices=PRICES)
+    s = policy.decide(snap(340, {"spot": 2}, {"spot": 2}, {"spot": 3}, progress=prog(340, 0, 100, 0.25)))
+    assert isinstance(s.decision, Noop), s.decision
+    # with one on-demand worker in the group, dropping it must leave room for a boot should that prove wrong
+    need = deadline_need(spot=2, on_demand_now=1, min_workers=2, max_workers=3, max_on_demand=3,
+                         deadline_s=600, margin_s=60, boot_s=30, progress=prog(330, 0, 100, 0.25))
+    assert need.workers == 1  # 2 workers: 200 s > 600 - 330 - 60 - 30 = 180 s
+    need = deadline_need(spot=2, on_demand_now=1, min_workers=2, max_workers=3, max_on_demand=3,
+                         deadline_s=600, margin_s=60, boot_s=30, progress=prog(300, 0, 100, 0.25))
+    assert need.workers == 0 and "releasing" in need.reason
