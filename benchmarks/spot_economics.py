@@ -501,7 +501,8 @@ def main() -> None:
         "command": " ".join(["python", "benchmarks/spot_economics.py"] + sys.argv[1:]),
     })
     results.setdefault("commands", []).append({"command": results["command"], "started": time.strftime(
-        "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "traces": list(traces), "systems": list(args.systems)})
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "traces": list(traces), "systems": list(args.systems),
+        "commit": _commit()})
     results.setdefault("traces", {})
     results.setdefault("deadline_s", {})
     root = tempfile.mkdtemp(prefix="raylastic-spot-econ-")
@@ -537,6 +538,17 @@ def main() -> None:
             save()
     save()
     print(json.dumps(results["summary"], indent=1))
+
+
+def _commit() -> Optional[str]:
+    """The raylastic commit this ran (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _print(r: Dict[str, Any]) -> None:

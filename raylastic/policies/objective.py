@@ -23,7 +23,8 @@ the numbers):
   ``min_workers``: above it the group trains, and each on-demand step costs
   ``p_od / p_spot`` times a spot step.
 - :func:`deadline_need` (``deadline_s=``): while spot trains (>= ``min_workers``), the
-  projected finish at the current rate must land ``margin_s`` before the deadline,
+  projected finish at the current rate (slowed by the share of time the run has lost to
+  resizes, recoveries and waits so far) must land ``margin_s`` before the deadline,
   counting ``boot_s`` for any new node; when it does not, the fewest on-demand workers
   that bring it back on track are asked for (all it may, when none suffice). While spot
   cannot train at all, waiting costs nothing, so it waits for spot as long as the run
@@ -69,15 +70,22 @@ class Objective(str, Enum):
 @dataclass(frozen=True, kw_only=True)
 class WorkProgress:
     """How far the run is. ``elapsed_s``: since ``fit()``; ``steps_done`` of
-    ``total_steps`` (None: unknown); ``steps_per_s``: measured training rate by world size.
+    ``total_steps`` (None: unknown); ``steps_per_s``: measured training rate by world size;
+    ``efficiency``: the share of the time since training first started that the group
+    spent training (resizes, recoveries and waits take the rest), so projections of the
+    remaining time count the interruptions a run has been seeing.
     """
 
     elapsed_s: float
     steps_done: int = 0
     total_steps: Optional[int] = None
     steps_per_s: Mapping[int, float] = field(default_factory=dict)
+    efficiency: float = 1.0
 
     def __post_init__(self) -> None:
+        e = self.efficiency
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
+            raise ValueError(f"WorkProgress.efficiency={e!r} must be in (0, 1]")
         if not (isinstance(self.elapsed_s, (int, float)) and math.isfinite(self.elapsed_s)):
             raise ValueError(f"WorkProgress.elapsed_s={self.elapsed_s!r} must be a finite number")
         rates = {}
@@ -172,7 +180,7 @@ def deadline_need(*, spot: int, on_demand_now: int, min_workers: int, max_worker
     def finish_s(n_od: int) -> float:
         n = min(max_workers, spot + n_od)
         r = progress.rate(n) if n >= min_workers else 0.0
-        return left_steps / r if r else math.inf
+        return left_steps / r / progress.efficiency if r else math.inf
 
     full = finish_s(d_max)
     r_all = progress.rate(max_workers) or 0.0
@@ -180,6 +188,7 @@ def deadline_need(*, spot: int, on_demand_now: int, min_workers: int, max_worker
     numbers: Dict[str, Any] = {
         "deadline_s": deadline_s, "elapsed_s": round(progress.elapsed_s, 2),
         "remaining_steps": left_steps, "margin_s": margin_s, "boot_s": boot_s,
+        "efficiency": round(progress.efficiency, 3),
         "projected_finish_s": _round(progress.elapsed_s + finish_s(on_demand_now)),
         "projected_finish_full_s": _round(progress.elapsed_s + full),
         "slack_s": _round(left_s - margin_s - full), "best_finish_s": _round(progress.elapsed_s + best_s),

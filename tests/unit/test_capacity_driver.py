@@ -184,3 +184,16 @@ def test_trim_releases_workers_above_the_request_once_unprotected(driver):
     assert not events.records  # protected: holds state the group needs
     d._trim([])
     assert [e["kind"] for e in events.records] == ["worker_released"] and events.records[0]["node_id"] == "n7"
+
+
+def test_efficiency_counts_time_lost_since_training_started(driver):
+    d, _pool, _events, clock = driver
+    for training in (False, False, True, True, True, False, True):  # start-up is not counted
+        d._account(clock.t, training)
+        clock.t += 1.0
+    d._account(clock.t, False)
+    assert d.efficiency == pytest.approx(4 / 5)
+    for _ in range(20):  # a long wait: floored at 0.5
+        clock.t += 1.0
+        d._account(clock.t, False)
+    assert d.efficiency == 0.5

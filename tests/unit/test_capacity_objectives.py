@@ -242,3 +242,13 @@ def test_deadline_keeps_what_it_has_without_counting_a_boot():
     need = deadline_need(spot=2, on_demand_now=1, min_workers=2, max_workers=3, max_on_demand=3,
                          deadline_s=600, margin_s=60, boot_s=30, progress=prog(300, 0, 100, 0.25))
     assert need.workers == 0 and "releasing" in need.reason
+
+
+def test_deadline_projection_counts_the_interruptions_seen_so_far():
+    p = WorkProgress(elapsed_s=300, steps_done=0, total_steps=100, steps_per_s={2: 0.5}, efficiency=0.8)
+    need = deadline_need(spot=2, on_demand_now=0, min_workers=2, max_workers=3, max_on_demand=3,
+                         deadline_s=600, margin_s=60, boot_s=10, progress=p)
+    # 100 steps at 0.5 step/s = 200 s, / 0.8 = 250 s > 240 s: one on-demand worker
+    assert need.workers == 1 and need.numbers["efficiency"] == 0.8
+    with pytest.raises(ValueError, match="efficiency"):
+        WorkProgress(elapsed_s=0, efficiency=0)

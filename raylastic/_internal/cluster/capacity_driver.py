@@ -50,6 +50,8 @@ class CapacityDriver:
         self._fit_ts = fit_ts if fit_ts is not None else time.time()
         self._rates: Dict[int, float] = {}  # steps/s by world size
         self._windows: Dict[int, Tuple[Optional[float], int]] = {}  # world -> (rate, windows)
+        self._trained_s = self._idle_s = 0.0  # since training first started
+        self._last_account: Optional[Tuple[bool, float]] = None
         self._mark: Optional[Tuple[int, float, int, bool]] = None  # (world, t, index, warm-up)
         self._held: Dict[str, Tuple[Optional[str], Optional[float]]] = {}  # node -> (type, let go at)
         self._last_node_check = 0.0
@@ -81,6 +83,7 @@ class CapacityDriver:
             return None
         self._last_tick = now
         self._measure(now, len(members) if training else 0, index)
+        self._account(now, training)
         self._trim(members if protect is None else protect)
         self._watch_nodes(now)
         ready: Dict[str, int] = {}
@@ -92,7 +95,8 @@ class CapacityDriver:
             if m.node_type is not None:
                 in_group[m.node_type] = in_group.get(m.node_type, 0) + 1
         progress = WorkProgress(elapsed_s=time.time() - self._fit_ts, steps_done=index,
-                                total_steps=self._total_steps, steps_per_s=self._rates)
+                                total_steps=self._total_steps, steps_per_s=self._rates,
+                                efficiency=self.efficiency)
         snap = CapacitySnapshot(now_s=now, min_workers=self._min, max_workers=self._max, ready=ready,
                                 in_group=in_group, requested=self.requested, at_checkpoint_boundary=at_boundary,
                                 progress=progress)
@@ -117,6 +121,23 @@ class CapacityDriver:
                               numbers=dict(d.numbers))
             return d
         return None
+
+    @property
+    def efficiency(self) -> float:
+        """Share of the time since training first started spent training (at least 0.5:
+        a long wait says little about the steps still to come; 1.0 before training)."""
+        total = self._trained_s + self._idle_s
+        return max(0.5, self._trained_s / total) if total > 0 and self._trained_s > 0 else 1.0
+
+    def _account(self, now: float, training: bool) -> None:
+        """The time since the last tick goes to what the group was doing then."""
+        if self._last_account is not None:
+            was_training, since = self._last_account
+            if was_training:
+                self._trained_s += now - since
+            elif self._trained_s > 0:
+                self._idle_s += now - since
+        self._last_account = (training, now)
 
     def _measure(self, now: float, world: int, index: int) -> None:
         """Steps per second at this world size, over windows of >= RATE_WINDOW_S while the
