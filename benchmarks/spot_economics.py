@@ -106,13 +106,13 @@ def bill(history: List[Dict[str, Any]], prices: Dict[str, float], t0: float, t1:
         nid, ev = e.get("node_id"), e["event"]
         if ev == "provider_shutdown":
             shutdown = e["ts"]
-        if not nid or e.get("node_type") not in prices:
+        if not nid:
             continue
-        if ev in ("launch", "node_up"):
+        if ev in ("preempted", "terminated"):  # some records lack the node type: match by id
+            end.setdefault(nid, e["ts"])
+        elif ev in ("launch", "node_up") and e.get("node_type") in prices:
             start.setdefault(nid, e["ts"])
             kind[nid] = e["node_type"]
-        elif ev in ("preempted", "terminated"):
-            end.setdefault(nid, e["ts"])
     seconds = {t: 0.0 for t in prices}
     spans = []
     for nid, s in start.items():

@@ -44,7 +44,8 @@ def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> 
     one of its workers is still held. A node given back and used again later counts twice,
     not for the gap in between. A ``node_gone`` after a node's interval ended by a release
     (:func:`_released`; before a new worker_ready there) adds the released interval from
-    that release to the node_gone; after a loss it adds nothing."""
+    that release to the node_gone; after a loss it adds nothing. A ``node_gone`` for a node
+    the log still shows held ends its interval there."""
     approximated = not any(kind_of(e) is EventKind.WORKER_READY for e in events) and any(
         kind_of(e) is EventKind.GROUP_FORMED and e.get("nodes") for e in events)
     intervals, slots, markets, nodes_of = [], defaultdict(int), {}, defaultdict(set)
@@ -66,6 +67,13 @@ def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> 
         if kind is EventKind.NODE_GONE and e.get("node_id") in gone_after:
             ntype, released_ts = gone_after.pop(e["node_id"])
             released.append((ntype, released_ts, max(released_ts, ts)))
+            continue
+        if kind is EventKind.NODE_GONE and e.get("node_id") in state:
+            # the node left the cluster while the log still shows a worker there (a worker
+            # on a drained node that was not in the group leaves no worker_lost): its billed
+            # time ends here, not at the session's end
+            st = state.pop(e["node_id"])
+            intervals.append((st["type"], st["start"], max(st["start"], ts)))
             continue
         for node, wid, ntype, market in _ready(e, approximated):
             ntype = ntype or DEFAULT_NODE_TYPE

@@ -131,10 +131,9 @@ def test_without_node_gone_the_released_bucket_is_empty_and_hours_are_the_held_t
     assert_adds_up(r)
 
 
-def test_node_gone_after_a_loss_or_while_held_extends_nothing():
+def test_node_gone_after_a_loss_extends_nothing():
     e = run(with_gone=False) + [
         gone(21.5, "n1", "spot"),  # right after n1's worker_lost (node_lost)
-        gone(25, "n2", "on_demand"),  # n2 still held: no release before it
         gone(200, "n1", "spot")]  # a duplicate, much later
     r = build_report(sorted(e, key=lambda x: x["ts"]), [])
     base = build_report(run(with_gone=False), [])
@@ -160,13 +159,13 @@ def test_a_worker_moved_off_by_the_capacity_policy_releases_its_node_a_preempted
 
 def test_a_node_used_again_after_its_release_is_billed_twice_not_for_the_gap():
     """A spare on n5 released at 3 (capacity target lowered), a new worker there at 10,
-    released at 40 with the others. A node_gone that arrives while n5 is held again
-    adds nothing; the one after the last release ends n5's bill at 70."""
+    released at 40 with the others. The node_gone after the last release ends n5's bill
+    at 70 (the first release's gap is not billed: the node was used again)."""
     e = run(with_gone=False) + [
         ready(2.5, "n5", "on_demand", wid="s5"),
         ev(3, "worker_released", wid="s5", node_id="n5", node_type="on_demand",
            reason="capacity target lowered"),
-        ready(10, "n5", "on_demand", wid="w5"), gone(12, "n5", "on_demand", 3),
+        ready(10, "n5", "on_demand", wid="w5"),
         released(40, "n5", wid="w5"), gone(70, "n5", "on_demand", 40)]
     r = build_report(sorted(e, key=lambda x: x["ts"]), [])
     assert r.node_hours["on_demand"].hours == pytest.approx((38 + 0.5 + 30 + 30) / 3600)
@@ -280,3 +279,19 @@ def test_json_and_text(tmp_path, capsys):
     row = next(line for line in out.splitlines() if line.strip().startswith("total")
                and "released" not in line and " s " in line)
     assert "150.0 s" in row and "$0.0960" in row
+
+
+def test_node_gone_ends_a_node_the_log_still_shows_held():
+    """A spare worker on a drained node leaves no worker_lost; the node's node_gone ends its
+    billed time (not the session's end)."""
+    from raylastic.reporting import _nodes
+
+    events = [
+        {"ts": 0.0, "kind": "run_started"},
+        {"ts": 1.0, "kind": "worker_ready", "wid": 1, "node_id": "a", "node_type": "spot", "market": "spot"},
+        {"ts": 2.0, "kind": "worker_ready", "wid": 2, "node_id": "b", "node_type": "spot", "market": "spot"},
+        {"ts": 10.0, "kind": "node_gone", "node_id": "b", "node_type": "spot"},
+        {"ts": 30.0, "kind": "run_finished"},
+    ]
+    nodes = _nodes.node_intervals(events, [(0.0, 30.0)])
+    assert sorted(nodes.intervals) == [("spot", 1.0, 30.0), ("spot", 2.0, 10.0)]
