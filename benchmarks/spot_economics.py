@@ -114,17 +114,18 @@ def bill(history: List[Dict[str, Any]], prices: Dict[str, float], t0: float, t1:
             start.setdefault(nid, e["ts"])
             kind[nid] = e["node_type"]
     seconds = {t: 0.0 for t in prices}
-    spans = []
+    spans, nodes = [], []
     for nid, s in start.items():
         e = end.get(nid, shutdown if shutdown is not None else t1)
         a, b = max(s, t0), min(e, t1)
+        nodes.append([nid, kind[nid], round(a - t0, 2), round(b - t0, 2)])
         if b > a:
             seconds[kind[nid]] += b - a
             spans.append((a, b, prices[kind[nid]] / 3600.0))
     usd = {t: seconds[t] * prices[t] / 3600.0 for t in prices}
     return {"node_s": {t: round(v, 1) for t, v in seconds.items()},
             "usd": {t: round(v, 6) for t, v in usd.items()}, "total_usd": round(sum(usd.values()), 6),
-            "curve": _cost_curve(spans, t0, t1)}
+            "nodes": nodes, "curve": _cost_curve(spans, t0, t1)}
 
 
 def _cost_curve(spans, t0: float, t1: float, points: int = 120) -> List[List[float]]:
