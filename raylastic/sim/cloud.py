@@ -284,8 +284,7 @@ class SpotCloud:
         """Replay ``trace`` from now (its times are benchmark seconds). ``stretch``
         multiplies every event time and notice (0.5 = twice as fast), for tests; it is not
         the cloud's ``time_scale``."""
-        time_scale = stretch
-        if not time_scale > 0:
+        if not stretch > 0:
             raise ValueError(f"stretch={stretch!r} must be > 0")
         trace.check_node_types(self.node_types)
         scheduler = self._scheduler
@@ -293,11 +292,11 @@ class SpotCloud:
             raise RuntimeError("SpotCloud is not started")
         t0 = time.monotonic()
         self._record("trace_start", None, None,
-                     detail={"source": trace.source, "stretch": time_scale,
+                     detail={"source": trace.source, "stretch": stretch,
                              "time_scale": self.time_scale.to_record() if self.time_scale else None})
         for e in trace.events:
-            scheduler.call_at(t0 + e.time_s * time_scale, lambda e=e: self._apply(e, time_scale))
-        scheduler.call_at(t0 + trace.duration_s * time_scale,
+            scheduler.call_at(t0 + e.time_s * stretch, lambda e=e: self._apply(e, stretch))
+        scheduler.call_at(t0 + trace.duration_s * stretch,
                           lambda: self._record("trace_end", None, None,
                                                detail={"source": trace.source}))
 
@@ -340,7 +339,7 @@ class SpotCloud:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _apply(self, e: TraceEvent, time_scale: float) -> None:
+    def _apply(self, e: TraceEvent, stretch: float) -> None:
         self._record("trace_event", e.node_type, None, notice_s=e.notice_s,
                      detail={"kind": e.kind.value, "time_s": e.time_s, "count": e.count,
                              "line": e.line})
@@ -350,7 +349,7 @@ class SpotCloud:
             with self._lock:
                 self.set_capacity(e.node_type, max(0, (self._caps[e.node_type] or 0) + e.count))
         else:
-            self.preempt(e.node_type, e.count, e.notice_s * time_scale)
+            self.preempt(e.node_type, e.count, e.notice_s * stretch)
 
     def _preemptible(self, node_type: str) -> List[str]:
         """Alive, fully started (``node_up`` recorded) and not yet noticed. The GCS lists

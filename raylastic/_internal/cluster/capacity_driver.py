@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from ray.autoscaler.sdk import request_resources
 
+from raylastic._internal.cluster.drain import alive_nodes
 from raylastic.events import EventKind, EventLog
 from raylastic.policies.capacity import (
     CapacityPolicy, CapacitySnapshot, CapacityState, DeadlineUnreachable, GiveUp, MigrateToSpot, ReleaseOnDemand,
@@ -174,9 +175,7 @@ class CapacityDriver:
             return
         self._last_node_check = now
         try:
-            import ray
-
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            alive = alive_nodes()
         except Exception:  # noqa: BLE001 - no cluster view this tick: try again later
             return
         for node in let_go:

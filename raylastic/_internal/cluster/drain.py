@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Set
 
 from raylastic._internal.cluster.notices import NoticeWatcher, PreemptionNotice, watcher_from_env
 
@@ -31,6 +31,14 @@ class DrainResult:
     accepted: bool
     deadline_ms: int  # the node's drain deadline now (Unix ms; 0 = none)
     message: str  # Ray's rejection reason, or why no request was sent; "" otherwise
+
+
+def alive_nodes() -> Set[str]:
+    """Hex ids of the nodes the GCS reports alive (draining ones included). Needs a
+    connected Ray worker or driver; raises whatever Ray raises without one."""
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
 def draining_nodes() -> Dict[str, int]:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
+from raylastic._internal.cluster.drain import alive_nodes
 from raylastic._internal.holdings import Holding, plan_stripes
 from raylastic._internal.worker_group.pool import WorkerHandle, WorkerPool
 from raylastic._internal.worker_group.results import (
@@ -381,7 +382,7 @@ class WorkerGroup:
         if isinstance(cause, ActorDiedError) and getattr(cause, "preempted", False):
             return False
         try:
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            alive = alive_nodes()
         except Exception:  # noqa: BLE001
             return False
         return bool(m.node_id) and m.node_id in alive and isinstance(cause, ActorDiedError)
