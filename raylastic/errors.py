@@ -90,6 +90,24 @@ class SnapshotMismatchError(RaylasticError):
     last committed checkpoint in storage; not counted against ``max_failures``."""
 
 
+class RunInUseError(RaylasticError):
+    """Another ``fit()`` holds this run's lease (``<run>/.raylastic_lease.json``), or took
+    it over from this one: one ``fit()`` writes a run at a time (``checkpoint/lease.py``)."""
+
+    def __init__(self, message: str, *, run: str = "", holder: str = "", expires_in_s: float = 0.0):
+        super().__init__(message)
+        self.run = run
+        self.holder = holder
+        self.expires_in_s = expires_in_s
+
+    def __reduce__(self):
+        return (_rebuild_run_in_use, (str(self), self.run, self.holder, self.expires_in_s))
+
+
+def _rebuild_run_in_use(message: str, run: str, holder: str, expires_in_s: float) -> "RunInUseError":
+    return RunInUseError(message, run=run, holder=holder, expires_in_s=expires_in_s)
+
+
 class CheckpointError(RaylasticError):
     """A checkpoint could not be written, committed or read."""
 

@@ -14,9 +14,11 @@ from ray.train import Checkpoint
 
 from raylastic._internal.cluster.notices import sources_from_env
 from raylastic._internal.controller.controller import Controller
+from raylastic._internal.cluster.shared_storage import check_shared
+from raylastic.checkpoint.lease import DEFAULT_TTL_S, LEASE_FILE, RunLease
 from raylastic.checkpoint.storage import Storage
 from raylastic.config import RunConfig, ScalingConfig
-from raylastic.errors import ConfigError, TrainingAborted
+from raylastic.errors import ConfigError, RunInUseError, TrainingAborted
 from raylastic.progress import ProgressLine
 from raylastic.session import StorageCheckpoint
 
@@ -94,9 +96,13 @@ class ElasticTrainer:
     def restore(cls, path: str, train_func: Callable, **kwargs: Any) -> "ElasticTrainer":
         """A trainer that resumes the run at ``path`` (``<storage_path>/<name>``)."""
         path = str(path).rstrip("/")
+        scheme, sep, rest = path.partition("://")
         storage_path, _, name = path.rpartition("/")
-        if not name or not storage_path:
-            raise ConfigError(f"restore(path={path!r}): expected <storage_path>/<run name>.")
+        # "s3://bucket" is a bucket, not a run: without this it would split into "s3:/" (a
+        # *local* directory) and "bucket".
+        if not name or not storage_path or (sep and "/" not in rest.strip("/")):
+            raise ConfigError(f"restore(path={path!r}): expected <storage_path>/<run name>, e.g. "
+                              f"{(scheme + '://bucket/prefix') if sep else '/mnt/runs'}/my-run.")
         run = kwargs.pop("run_config", None) or RunConfig()
         run = replace(run, name=name, storage_path=storage_path)
         return cls(train_func, run_config=run, **kwargs)
@@ -118,10 +124,22 @@ class ElasticTrainer:
             sources_from_env()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        # One fit() per run: a second one fails here, before Ray is started or anything taken.
+        lease = RunLease(storage, self._name, ttl_s=getattr(self._run, "lease_ttl_s", DEFAULT_TTL_S))
+        epoch_floor = lease.acquire()
+        try:
+            return self._start(storage, lease, epoch_floor, raise_on_error, fit_ts)
+        finally:
+            lease.release()
+
+    def _start(self, storage: Storage, lease: RunLease, epoch_floor: int, raise_on_error: bool,
+               fit_ts: float) -> Result:
         if not ray.is_initialized():
             ray.init(log_to_driver=True)
         if self._scaling.validate_resources:
             _check_resources(self._scaling)
+        if storage.is_local:  # a local path must be one the other hosts see too
+            check_shared(storage.path(self._name, LEASE_FILE), lease.token, storage.uri)
         # On the head node: it holds no CPU/GPU, and must not die with a preempted worker
         # node (the workers it owns would die with it). Soft node affinity is not enough:
         # Ray spills a zero-CPU actor off a zero-CPU head.
@@ -135,7 +153,8 @@ class ElasticTrainer:
             plan = start_coordinators(resolve_datasets(self._datasets), self._split, {HEAD_RESOURCE: 0.001})
             train_func = WithDatasets(train_func, plan)
         try:
-            return self._fit(storage, controller_cls, train_func, raise_on_error, fit_ts)
+            return self._fit(storage, controller_cls, train_func, raise_on_error, fit_ts,
+                             lease=lease, epoch_floor=epoch_floor)
         finally:
             if plan is not None:
                 from raylastic.data.ray_data import stop_coordinators
@@ -143,15 +162,16 @@ class ElasticTrainer:
                 stop_coordinators(plan)
 
     def _fit(self, storage: Storage, controller_cls, train_func: Callable, raise_on_error: bool,
-             fit_ts: Optional[float] = None) -> Result:
+             fit_ts: Optional[float] = None, *, lease: Optional[RunLease] = None,
+             epoch_floor: int = 0) -> Result:
         controller = controller_cls.remote(
             train_func, self._config, self._scaling, self._run, storage, self._name, self._name,
-            fit_ts=fit_ts,
+            fit_ts=fit_ts, epoch_floor=epoch_floor,
         )
         run_ref = controller.run.remote()
         progress = ProgressLine(enabled=self._run.progress, total_steps=self._run.total_steps)
         try:
-            outcome = _wait(run_ref, controller, progress)
+            outcome = _wait(run_ref, controller, progress, lease)
         except KeyboardInterrupt:
             logger.warning("interrupted: stopping workers (Ctrl-C again to force)")
             controller.request_stop.remote()
@@ -165,6 +185,10 @@ class ElasticTrainer:
         finally:
             progress.close()
         ray.kill(controller, no_restart=True)
+        if lease is not None:
+            lease.note_epoch(outcome.get("epoch", 0))
+            if lease.lost is not None:  # another fit() took the run over: its error wins
+                outcome["error"] = RunInUseError(lease.lost, run=_join_uri(storage.uri, self._name))
         ckpt_rel = outcome.get("checkpoint_rel")
         result = Result(
             metrics=outcome.get("metrics", {}),
@@ -180,17 +204,21 @@ class ElasticTrainer:
         return result
 
 
-def _wait(ref, controller, progress) -> Dict[str, Any]:
+def _wait(ref, controller, progress, lease: Optional[RunLease] = None) -> Dict[str, Any]:
     """Wait for the controller's outcome, feeding the progress line on the way.
 
     Short waits so Ctrl-C reaches Python between them (``ray.get`` blocks signals); the
-    status call never blocks the loop (the controller actor is threaded).
+    status call never blocks the loop (the controller actor is threaded). A lease taken
+    over by another fit() stops the run (once).
     """
-    status_ref = None
+    status_ref, stop_sent = None, False
     while True:
         ready, _ = ray.wait([ref], timeout=0.5)
         if ready:
             return ray.get(ref)
+        if lease is not None and lease.lost is not None and not stop_sent:
+            controller.request_stop.remote()
+            stop_sent = True
         if not progress.enabled:
             continue
         if status_ref is None:

@@ -70,6 +70,12 @@ def parse_uri(uri: str) -> ParsedUri:
             f"storage uri {scheme}://{parts.hostname or ''}/... carries credentials "
             f"({', '.join(leaked) or 'user:secret@'}); pass them through the environment "
             "instead (they would be pickled to every worker and logged)")
+    endpoint = urlsplit(query.get("endpoint_override", ""))
+    if endpoint.username is not None or endpoint.password is not None or "@" in endpoint.netloc:
+        raise ValueError(
+            f"storage uri {scheme}://{parts.hostname or ''}/...: endpoint_override carries "
+            "credentials (user:secret@); pass them through the environment instead (the URI is "
+            "logged and pickled to every worker)")
     unknown = sorted(set(query) - _ALLOWED_QUERY[kind])
     if unknown:
         raise ValueError(f"unknown query option(s) {unknown} for {scheme}:// "

@@ -142,17 +142,20 @@ def _is_storage_exception(exc: BaseException | None, depth: int = 0) -> bool:
 
 
 _SECRET_IN_TEXT = re.compile(
-    r"((?:sig|AccountKey|SharedAccessSignature|secret_key|session_token|access_key"
+    r"((?:sig|AccountKey|SharedAccessSignature|secret_key|session_token|access_key|account_key"
+    r"|sas_token|connection_string|credential|client_secret|access_token|token|password"
     r"|X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token)=)[^&;\s'\"]+",
     re.IGNORECASE,
 )
+# user:secret@ in any URL (a scheme we do not support, an endpoint, an SDK message)
+_USERINFO_IN_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s'\"]*@")
 
 
 def _redact(text: str, secrets: tuple[str, ...]) -> str:
     for secret in secrets:
         if secret and len(secret) >= 4:
             text = text.replace(secret, "***")
-    return _SECRET_IN_TEXT.sub(r"\1***", text)
+    return _USERINFO_IN_URL.sub(r"\1***@", _SECRET_IN_TEXT.sub(r"\1***", text))
 
 
 def retry_call(fn: Callable[[], T], policy: RetryPolicy, *, what: str = "storage call",

@@ -34,9 +34,11 @@ class Wait:
 
 @dataclass(frozen=True)
 class Retry:
-    """Recover from a failure: re-form the group and restore the last checkpoint."""
+    """Recover from a failure: re-form the group and restore the last checkpoint, after
+    ``delay_s`` (a backoff, so that a bug that fails at once cannot spin)."""
 
     reason: str
+    delay_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,21 @@ class FailureCounts:
 FailureDecision = Union[Retry, Raise]
 
 
+# Real failures beyond the first FREE_RETRIES wait 1, 2, 4, ... s (at most MAX_BACKOFF_S)
+# before the group re-forms: a flaky step recovers at once, while a bug that raises at
+# every start under max_failures=-1 settles to one attempt a minute instead of spinning
+# (each attempt re-forms the group and reloads a checkpoint).
+FREE_RETRIES = 3
+MAX_BACKOFF_S = 60.0
+
+
+def backoff_s(failure_number: int) -> float:
+    """Seconds to wait before recovering from the ``failure_number``-th real failure (1-based)."""
+    if failure_number <= FREE_RETRIES:
+        return 0.0
+    return min(MAX_BACKOFF_S, 2.0 ** min(failure_number - FREE_RETRIES - 1, 16))
+
+
 @dataclass(frozen=True)
 class FailurePolicy:
     max_failures: int = 0  # -1: unlimited
@@ -46,7 +61,9 @@ class FailurePolicy:
             )
         if self.max_failures != -1 and counts.errors >= self.max_failures:
             return Raise(failure_reason("failure", "max_failures", self.max_failures))
+        delay = backoff_s(counts.errors + 1)
         return Retry(
             f"failure {counts.errors + 1} of "
             f"{'unlimited' if self.max_failures == -1 else self.max_failures} (max_failures)"
+            + (f"; retrying in {delay:.0f} s" if delay else ""), delay_s=delay,
         )

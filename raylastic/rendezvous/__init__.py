@@ -32,5 +32,14 @@ def register() -> None:
 
     try:
         rendezvous_handler_registry.register(BACKEND_NAME, create_handler)
-    except ValueError:  # already registered (e.g. by the entry point) with a different callable
-        pass
+    except ValueError:
+        # Already registered with another callable. Ours under another identity (the entry
+        # point, or this module imported twice) is fine; a foreign one would otherwise
+        # silently serve --rdzv-backend=azure-table whatever the import order, so refuse.
+        current = rendezvous_handler_registry._registry.get(BACKEND_NAME)
+        if getattr(current, "__module__", None) != create_handler.__module__ or \
+                getattr(current, "__qualname__", None) != create_handler.__qualname__:
+            raise ValueError(
+                f"rendezvous backend {BACKEND_NAME!r} is already registered with {current!r}, not "
+                "raylastic's: two packages claim the name. Fix: uninstall or unregister the other "
+                "one, or launch with a backend name only one of them registers") from None

@@ -58,6 +58,17 @@ def _is_local_host(host: str) -> bool:
         return False
 
 
+def _is_private_host(host: str) -> bool:
+    """Loopback, a Docker host alias or a private/link-local address: where an emulator runs."""
+    if host in ("localhost", "host.docker.internal"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_private or ip.is_link_local
+
+
 def parse_endpoint(endpoint: str, table: Optional[str] = None) -> TableEndpoint:
     """Parse ``--rdzv-endpoint``; ``table`` (from ``--rdzv-conf table=...``) wins over the URL's.
 
@@ -84,6 +95,11 @@ def parse_endpoint(endpoint: str, table: Optional[str] = None) -> TableEndpoint:
     host = (parts.hostname or "").lower()
     if parts.scheme not in ("http", "https") or not host:
         raise ValueError(f"--rdzv-endpoint={raw!r} is not an http(s) URL; {_ENDPOINT_HELP}")
+    if parts.scheme == "http" and not _is_private_host(host):
+        raise ValueError(
+            f"--rdzv-endpoint={raw!r} uses plain http to {host}, a public host: the request "
+            "signatures and the rendezvous rows would cross the network in clear. Use https "
+            "(http is accepted only for emulators on loopback or private addresses)")
     segments = [s for s in parts.path.split("/") if s]
     labels = host.split(".")
     if _is_local_host(host):

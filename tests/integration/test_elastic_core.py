@@ -13,7 +13,7 @@ import ray
 
 from raylastic import (
     CheckpointConfig, ConfigError, ElasticTrainer, FailureConfig, InsufficientCapacityError,
-    RunConfig, ScalingConfig, TrainingFailedError,
+    RunConfig, RunInUseError, ScalingConfig, TrainingFailedError,
 )
 from raylastic.events import EventKind, load_events
 from raylastic.testing.faults import FitThread, RunWatcher, hung_replacements, kill_node_at, kill_worker_process
@@ -182,6 +182,27 @@ def test_bad_input_rejected_before_any_actor(local_cluster, run_dir):
     assert _actor_count() == before
 
 
+def test_a_local_storage_path_other_hosts_do_not_share_is_refused(local_cluster, run_dir, monkeypatch):
+    """Each node would write its own disk. The cluster's nodes all share this machine's
+    disk, so two of them are presented as two hosts and one sees a stale copy of the run
+    (another token), as a node with its own disk at the same path would."""
+    from raylastic._internal.cluster import shared_storage
+
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]][:2]
+    monkeypatch.setattr(shared_storage, "hosts_by_ip", lambda: {"10.0.0.1": nodes[0], "10.0.0.2": nodes[1]})
+    lease = os.path.join(run_dir, "probe.json")
+    with open(lease, "w") as fh:
+        fh.write('{"token": "from-another-disk"}')
+    shared_storage.check_shared(lease, "from-another-disk", run_dir)  # every host sees the same file
+    with pytest.raises(ConfigError, match=r"RunConfig.storage_path=.*10\.0\.0\.1, 10\.0\.0\.2 do not share"):
+        shared_storage.check_shared(lease, "the-driver's-token", run_dir)
+    before = _actor_count()
+    with pytest.raises(ConfigError, match="do not share"):  # fit() refuses before any actor
+        monkeypatch.setattr(shared_storage, "_read_token", lambda path: "stale")
+        _trainer(run_dir, "unshared", {"total_steps": 3}).fit()
+    assert _actor_count() == before
+
+
 def test_ray_trains_shipped_linear_example_runs_unchanged(local_cluster, run_dir):
     from ray.train.examples.pytorch.torch_linear_example import train_func
 
@@ -198,13 +219,30 @@ def test_ray_trains_shipped_linear_example_runs_unchanged(local_cluster, run_dir
 
 
 def test_fit_again_resumes_from_the_last_committed_checkpoint(local_cluster, run_dir):
-    first = _trainer(run_dir, "again", {"total_steps": 6}).fit()
-    assert first.metrics["step"] == 6
-    second = _trainer(run_dir, "again", {"total_steps": 9}).fit()
+    """A second fit() of a run that is still training is refused at once (the run lease)
+    and touches nothing; once the first is done, fit() resumes it, numbering its groups
+    after the first's."""
+    fit = FitThread(_trainer(run_dir, "again", {"total_steps": 12, "step_sleep_s": 0.1}))
+    fit.start()
+    RunWatcher(os.path.join(run_dir, "again")).wait_for_index(3, 120)
+    ckpts = os.path.join(run_dir, "again", "checkpoints")
+    before = sorted(os.listdir(ckpts))
+    t0 = time.monotonic()
+    with pytest.raises(RunInUseError, match="is in use") as refused:
+        _trainer(run_dir, "again", {"total_steps": 9}).fit()
+    assert time.monotonic() - t0 < 5.0
+    assert "pid=" in refused.value.holder
+    assert set(before) <= set(os.listdir(ckpts))  # nothing of the first run's was touched
+    first = fit.wait(120)
+    assert first.metrics["step"] == 12
+    first_epochs = [e["epoch"] for e in load_events(first.path) if e["kind"] == "group_formed"]
+    second = _trainer(run_dir, "again", {"total_steps": 15}).fit()
     events = load_events(second.path)
     restored = [e for e in events if e["kind"] == "checkpoint_restored"]
-    assert restored and restored[-1]["index"] == 6
-    assert second.metrics["step"] == 9
+    assert restored and restored[-1]["index"] == 12
+    assert second.metrics["step"] == 15
+    epochs = [e["epoch"] for e in events if e["kind"] == "group_formed"]
+    assert epochs[len(first_epochs):][0] == max(first_epochs) + 1, epochs  # never restarts at 1
     assert ray.is_initialized()
 
 

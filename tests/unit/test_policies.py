@@ -76,3 +76,16 @@ def test_failure_budgets_count():
     assert isinstance(p.decide(FailureKind.NODE_LOST, FailureCounts(node_losses=1)), Raise)
     unlimited = FailurePolicy(max_failures=-1)
     assert isinstance(unlimited.decide(FailureKind.ERROR, FailureCounts(errors=10**6)), Retry)
+
+
+def test_unlimited_failures_back_off_instead_of_spinning():
+    """max_failures=-1 used to retry a bug that fails at once with no pause, forever."""
+    unlimited = FailurePolicy(max_failures=-1)
+    delays = [unlimited.decide(FailureKind.ERROR, FailureCounts(errors=n)).delay_s for n in range(12)]
+    assert delays[:3] == [0.0, 0.0, 0.0]  # a flaky step recovers at once
+    assert delays[3:9] == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
+    assert delays[9:] == [60.0, 60.0, 60.0]  # at most a minute
+    assert unlimited.decide(FailureKind.ERROR, FailureCounts(errors=10**6)).delay_s == 60.0
+    assert "retrying in 60 s" in unlimited.decide(FailureKind.ERROR, FailureCounts(errors=50)).reason
+    # node losses are not the code's fault: never delayed
+    assert unlimited.decide(FailureKind.NODE_LOST, FailureCounts(node_losses=50)).delay_s == 0.0

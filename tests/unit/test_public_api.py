@@ -3,8 +3,8 @@
 import raylastic
 
 EXPECTED = [
-    "Checkpoint", "CheckpointConfig", "ConfigError", "ElasticState", "ElasticTrainer", "FailureConfig",
-    "InsufficientCapacityError", "RaylasticError", "Result", "RunConfig", "ScalingConfig",
+    "CapacityTimeoutError", "Checkpoint", "CheckpointConfig", "ConfigError", "DeadlineUnreachableError", "ElasticState", "ElasticTrainer", "FailureConfig",
+    "InsufficientCapacityError", "RaylasticError", "Result", "RunConfig", "RunInUseError", "ScalingConfig",
     "TorchTrainer", "TrainingAborted", "TrainingFailedError", "data", "get_checkpoint", "get_context",
     "get_dataset_shard", "report",
 ]

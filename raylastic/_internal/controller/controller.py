@@ -72,7 +72,8 @@ class Controller:
                  scaling: ScalingConfig, run: RunConfig, storage, run_rel: str, run_name: str, *,
                  scaling_policy: Optional[ElasticScalingPolicy] = None,
                  failure_policy: Optional[FailurePolicy] = None,
-                 group: Optional[WorkerGroup] = None, fit_ts: Optional[float] = None):
+                 group: Optional[WorkerGroup] = None, fit_ts: Optional[float] = None,
+                 epoch_floor: int = 0):
         self._train_func = train_func
         self._config = train_loop_config
         self._scaling = scaling
@@ -100,7 +101,7 @@ class Controller:
         self._capacity = None if scaling.capacity is None else CapacityDriver(
             scaling.capacity, min_workers=scaling.min_workers, max_workers=scaling.max_workers,
             pool=self._group.pool, events=self._events, total_steps=run.total_steps, fit_ts=fit_ts)
-        self._epoch = 0
+        self._epoch = epoch_floor  # a resumed run continues its epoch numbering (never reuses a name)
         self._restarts = 0
         self._recoveries = 0
         self._state: State = Scheduling(since=time.monotonic())
@@ -388,6 +389,9 @@ class Controller:
         if isinstance(decision, Raise):
             self._stop_members(survivors, graceful=False)
             return Errored(TrainingFailedError(decision.reason, failures), failures)
+        if decision.delay_s > 0 and self._stop_requested.wait(decision.delay_s):
+            self._stop_members(survivors, graceful=False)
+            return Errored(TrainingAborted("training was stopped while waiting to retry"), failures)
         return Resizing(epoch=st.epoch, members=survivors, reason=f"{kind.value}: {decision.reason}",
                         graceful=False, started_at=time.monotonic(),
                         lost_ranks=[m.prev_rank for m in batch.lost], progress=st.progress)
@@ -495,4 +499,5 @@ class Controller:
             "world_sizes": list(self._world_sizes),
             "return_value": st.return_value if isinstance(st, Finished) else None,
             "restarts": self._restarts,
+            "epoch": self._epoch,
         }

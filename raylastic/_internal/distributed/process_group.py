@@ -32,12 +32,24 @@ LISTEN_EXCHANGE_TIMEOUT_S = 5.0
 
 
 def host_store(host: str, world_size: int, timeout_s: float) -> int:
-    """Start this epoch's TCPStore server in this process; return its port."""
+    """Start this epoch's TCPStore server in this process; return its port.
+
+    The server listens on ``host`` (this node's Ray address) only. Given just a port,
+    TCPStore binds every interface, public ones included, and whoever connects can write
+    the rendezvous keys of the group (its gloo addresses). So the listening socket is made
+    here, bound to the one address the other ranks dial, and handed to the store (which
+    owns, and closes, the descriptor it is given)."""
     global _store
-    _store = dist.TCPStore(
-        host, 0, world_size, is_master=True,
-        timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-    )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(1024)
+        _store = dist.TCPStore(
+            host, sock.getsockname()[1], world_size, is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+            master_listen_fd=os.dup(sock.fileno()),
+        )
     return _store.port
 
 

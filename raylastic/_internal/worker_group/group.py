@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
-from raylastic._internal.cluster.drain import alive_nodes
+from raylastic._internal.cluster.drain import alive_nodes, draining_nodes
 from raylastic._internal.holdings import Holding, plan_stripes
 from raylastic._internal.worker_group.pool import WorkerHandle, WorkerPool
 from raylastic._internal.worker_group.results import (
@@ -396,9 +396,7 @@ class WorkerGroup:
         if fresh or now - self._draining_checked_at >= DRAIN_CHECK_INTERVAL_S:
             self._draining_checked_at = now
             try:
-                from ray._private.state import state as gcs_state
-
-                self.draining = dict(gcs_state.get_draining_nodes())
+                self.draining = draining_nodes()
             except Exception as e:  # noqa: BLE001 - an older Ray or a GCS hiccup
                 logger.debug("could not read draining nodes: %s", e)
         return [m for m in members if m.node_id in self.draining]
