@@ -1,20 +1,25 @@
 """User-facing configuration: frozen, keyword-only dataclasses validated at construction.
 
 Every check here runs before any Ray actor or placement is requested, so a typo costs
-a traceback, not a cluster. Messages name the field, the value and the fix.
+a traceback, not a cluster. Messages name the field, the value and the fix. The rules
+(a bool is not an int, NaN and infinity are no numbers, flags are real bools) live in
+``raylastic._internal.validate``, shared with ``CapacityPolicy`` and the Ray Train shim.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Dict, Mapping, Optional
 
+from raylastic._internal.validate import (
+    check_bool, check_instance, check_int, check_number, check_reserves_something, check_resources,
+    check_storage_path, run_name_problem,
+)
 from raylastic.errors import ConfigError
 from raylastic.policies.capacity import CapacityPolicy
 
 _STANDARD_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+_run_name_problem = run_name_problem  # its old name here
 
 
 def _check(cond: bool, message: str) -> None:
@@ -35,7 +40,8 @@ class ScalingConfig:
         max_workers: most workers to run; defaults to ``min_workers`` (a fixed size
             that still survives node loss by waiting for replacements).
         resources_per_worker: Ray resources each worker actor reserves. Defaults to
-            one CPU (or one GPU and one CPU with ``use_gpu``).
+            one CPU (or one GPU and one CPU with ``use_gpu``). Amounts are finite and
+            >= 0 (0 reserves none of it), and a worker must reserve something.
         use_gpu: train with NCCL on one GPU per worker instead of gloo on CPU.
         max_wait_s: how long fewer than ``min_workers`` may be placeable before
             ``fit()`` fails with ``InsufficientCapacityError``. ``None`` waits
@@ -58,60 +64,33 @@ class ScalingConfig:
     capacity: Optional[Any] = None
 
     def __post_init__(self) -> None:
-        _check(
-            isinstance(self.min_workers, int) and self.min_workers >= 1,
-            f"ScalingConfig.min_workers must be an int >= 1, got {self.min_workers!r}. "
-            "Fix: pass min_workers=1 or more.",
-        )
+        check_int(self.min_workers, "ScalingConfig.min_workers", minimum=1, fix="pass min_workers=1 or more")
         if self.max_workers is None:
             object.__setattr__(self, "max_workers", self.min_workers)
-        _check(
-            isinstance(self.max_workers, int) and self.max_workers >= 1,
-            f"ScalingConfig.max_workers must be an int >= 1, got {self.max_workers!r}.",
-        )
+        check_int(self.max_workers, "ScalingConfig.max_workers", minimum=1,
+                  fix="pass max_workers >= min_workers, or leave it out (a fixed size of min_workers)")
         _check(
             self.min_workers <= self.max_workers,
             f"ScalingConfig: min_workers ({self.min_workers}) > max_workers "
             f"({self.max_workers}). Fix: raise max_workers or lower min_workers.",
         )
-        if self.max_wait_s is not None:
-            _check(
-                isinstance(self.max_wait_s, (int, float)) and self.max_wait_s > 0,
-                f"ScalingConfig.max_wait_s must be > 0 seconds or None (wait forever), "
-                f"got {self.max_wait_s!r}.",
-            )
+        check_bool(self.use_gpu, "ScalingConfig.use_gpu",
+                   "pass use_gpu=True (NCCL, one GPU per worker) or use_gpu=False (gloo on CPU)")
+        check_bool(self.validate_resources, "ScalingConfig.validate_resources")
+        check_number(self.max_wait_s, "ScalingConfig.max_wait_s", above=0, unit="seconds",
+                     none_means="wait forever", fix="pass seconds > 0, or None to wait forever")
+        check_resources(self.resources_per_worker, "ScalingConfig.resources_per_worker")
         if self.resources_per_worker is not None:
             _check(
-                isinstance(self.resources_per_worker, Mapping),
-                "ScalingConfig.resources_per_worker must be a dict like {'CPU': 1}, "
-                f"got {type(self.resources_per_worker).__name__}.",
-            )
-            for name, amount in self.resources_per_worker.items():
-                _check(
-                    isinstance(name, str) and name != "",
-                    f"ScalingConfig.resources_per_worker has a bad key {name!r}: "
-                    "resource names are non-empty strings.",
-                )
-                _check(
-                    isinstance(amount, (int, float))
-                    and not isinstance(amount, bool)
-                    and amount >= 0
-                    and math.isfinite(amount),
-                    f"ScalingConfig.resources_per_worker[{name!r}] must be a number "
-                    f">= 0, got {amount!r}.",
-                )
-            gpus = self.resources_per_worker.get("GPU", 0)
-
-            _check(
-                not (gpus and not self.use_gpu),
+                not (self.resources_per_worker.get("GPU", 0) and not self.use_gpu),
                 "ScalingConfig.resources_per_worker asks for GPU but use_gpu=False. "
                 "Fix: pass use_gpu=True (NCCL) or drop 'GPU' from resources_per_worker.",
             )
-
-        if self.capacity is not None:
-            _check(isinstance(self.capacity, CapacityPolicy),
-                   "ScalingConfig.capacity must be a raylastic.policies.capacity.CapacityPolicy, got "
-                   f"{type(self.capacity).__name__}.")
+        check_instance(self.capacity, CapacityPolicy, "ScalingConfig.capacity",
+                       "capacity=raylastic.policies.capacity.CapacityPolicy(...), or None", optional=True)
+        if self.capacity is None:  # (with a policy each worker also reserves its node type's slot)
+            check_reserves_something(self.worker_resources(), "ScalingConfig.resources_per_worker")
+        else:
             try:
                 self.capacity.validate_scaling(min_workers=self.min_workers, max_workers=self.max_workers)
             except ValueError as e:
@@ -151,17 +130,10 @@ class FailureConfig:
     max_node_failures: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _check(
-            isinstance(self.max_failures, int) and self.max_failures >= -1,
-            f"FailureConfig.max_failures must be an int >= -1 (-1 = unlimited), got "
-            f"{self.max_failures!r}.",
-        )
-        if self.max_node_failures is not None:
-            _check(
-                isinstance(self.max_node_failures, int) and self.max_node_failures >= 0,
-                "FailureConfig.max_node_failures must be an int >= 0 or None "
-                f"(unlimited), got {self.max_node_failures!r}.",
-            )
+        check_int(self.max_failures, "FailureConfig.max_failures", minimum=-1,
+                  fix="pass 0 (fail at the first error), a number of retries, or -1 (unlimited)")
+        check_int(self.max_node_failures, "FailureConfig.max_node_failures", minimum=0, none_means="unlimited",
+                  fix="pass a number of node losses to recover from, or None (unlimited, the default)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,15 +159,12 @@ class CheckpointConfig:
     persist_every: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.num_to_keep is not None:
-            _check(
-                isinstance(self.num_to_keep, int) and self.num_to_keep >= 1,
-                f"CheckpointConfig.num_to_keep must be an int >= 1 or None (keep all), "
-                f"got {self.num_to_keep!r}.",
-            )
-        if self.persist_every is not None:
-            _check(isinstance(self.persist_every, int) and self.persist_every >= 1,
-                   f"CheckpointConfig.persist_every must be an int >= 1 or None, got {self.persist_every!r}.")
+        check_int(self.num_to_keep, "CheckpointConfig.num_to_keep", minimum=1, none_means="keep all",
+                  fix="pass num_to_keep=2 or more (1 keeps only the newest), or None")
+        check_bool(self.async_upload, "CheckpointConfig.async_upload")
+        check_int(self.persist_every, "CheckpointConfig.persist_every", minimum=1,
+                  none_means="snapshots stay in memory",
+                  fix="pass persist_every=N to write every N-th ElasticState snapshot, or None")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,9 +175,9 @@ class RunConfig:
         name: the run's directory name under ``storage_path``. Calling ``fit()``
             again with the same name and storage path resumes from the run's last
             committed checkpoint. Defaults to a timestamped name.
-        storage_path: local path or URI (``s3://``, ``abfs://``, ``gs://``, any
-            ``pyarrow.fs`` URI) under which the run directory is written. On a
-            multi-node cluster a local path must be shared by every node.
+        storage_path: local path or URI (``s3://``, ``gs://``, ``abfs://``/``az://``,
+            ``file://``; other schemes are refused here) under which the run directory is
+            written. On a multi-node cluster a local path must be shared by every node.
         poll_interval_s: how often the controller collects metrics from workers.
             Training never waits for it.
         verbose: print resize/failure messages (from the controller) to stdout.
@@ -221,6 +190,10 @@ class RunConfig:
         storage_retry: a ``raylastic.checkpoint.storage.RetryPolicy`` for transient
             storage errors (attempts, backoff); ``None`` keeps the default (5 attempts,
             0.2-5 s exponential backoff with jitter).
+        lease_ttl_s: how long the run's lease outlives its holder (``fit()`` renews it every
+            ``lease_ttl_s / 3``): while it is live a second ``fit()`` of the same run fails
+            with ``RunInUseError``; after a crash the run can be resumed this long after its
+            last renewal. See docs/security.md.
     """
 
     name: Optional[str] = None
@@ -233,20 +206,11 @@ class RunConfig:
     tensorboard: bool = True
     total_steps: Optional[int] = None
     storage_retry: Optional[Any] = None
+    lease_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.storage_retry is not None:
-            # Here, not at the top: storage imports pyarrow, and configs stay cheap to import.
-            from raylastic.checkpoint.storage import RetryPolicy
-
-            _check(isinstance(self.storage_retry, RetryPolicy),
-                   "RunConfig.storage_retry must be a raylastic.checkpoint.storage.RetryPolicy, got "
-                   f"{type(self.storage_retry).__name__}.")
-        if self.total_steps is not None:
-            _check(isinstance(self.total_steps, int) and self.total_steps >= 1,
-                   f"RunConfig.total_steps must be an int >= 1 or None, got {self.total_steps!r}.")
         if self.name is not None:
-            problem = _run_name_problem(self.name)
+            problem = run_name_problem(self.name)
             _check(
                 problem is None,
                 f"RunConfig.name {self.name!r} is not a plain directory name: {problem}. It names "
@@ -254,41 +218,36 @@ class RunConfig:
                 "'?' and '[' as patterns that match other runs. Fix: use letters, digits, '-', "
                 "'_' and '.', e.g. RunConfig(name='my-run-1').",
             )
-        _check(
-            isinstance(self.storage_path, (str, os.PathLike)) and str(self.storage_path) != "",
-            f"RunConfig.storage_path must be a path or URI string, got {self.storage_path!r}.",
-        )
-        object.__setattr__(self, "storage_path", os.fspath(self.storage_path))
-        _check(
-            isinstance(self.failure_config, FailureConfig),
-            "RunConfig.failure_config must be a raylastic.FailureConfig.",
-        )
-        _check(
-            isinstance(self.checkpoint_config, CheckpointConfig),
-            "RunConfig.checkpoint_config must be a raylastic.CheckpointConfig.",
-        )
-        _check(
-            isinstance(self.poll_interval_s, (int, float)) and 0 < self.poll_interval_s <= 10,
-            f"RunConfig.poll_interval_s must be in (0, 10] seconds, got {self.poll_interval_s!r}.",
-        )
+        object.__setattr__(self, "storage_path", check_storage_path(self.storage_path, "RunConfig.storage_path"))
+        check_instance(self.failure_config, FailureConfig, "RunConfig.failure_config",
+                       "failure_config=raylastic.FailureConfig(max_failures=...)")
+        check_instance(self.checkpoint_config, CheckpointConfig, "RunConfig.checkpoint_config",
+                       "checkpoint_config=raylastic.CheckpointConfig(num_to_keep=...)")
+        check_number(self.poll_interval_s, "RunConfig.poll_interval_s", above=0, maximum=10, unit="seconds",
+                     fix="pass poll_interval_s=0.1 (the default)")
+        for flag in ("verbose", "progress", "tensorboard"):
+            check_bool(getattr(self, flag), f"RunConfig.{flag}")
+        check_int(self.total_steps, "RunConfig.total_steps", minimum=1, none_means="unknown: no ETA",
+                  fix="pass the number of reports the run makes, or None")
+        if self.storage_retry is not None:
+            _check_retry(self.storage_retry)
+        check_number(self.lease_ttl_s, "RunConfig.lease_ttl_s", minimum=3, maximum=3600, unit="seconds",
+                     fix="pass lease_ttl_s=30 (the default): renewed every lease_ttl_s / 3")
 
 
-_GLOB_CHARS = "*?[]"
-_SEPARATORS = "/\\"
+def _check_retry(retry: Any) -> None:
+    """``RunConfig.storage_retry``: a RetryPolicy with a finite attempt count and delays
+    (a NaN delay sleeps for NaN seconds: ``time.sleep`` raises mid-run)."""
+    # Here, not at the top: storage imports pyarrow, and configs stay cheap to import.
+    from raylastic.checkpoint.storage import RetryPolicy
 
-
-def _run_name_problem(name: Any) -> Optional[str]:
-    """Why ``name`` cannot be a run's directory name, or None (see docs/security.md)."""
-    if not isinstance(name, str) or name.strip() == "":
-        return "it must be a non-empty string"
-    if name in (".", ".."):
-        return "'.' and '..' are not directory names"
-    bad = sorted({c for c in name if c in _GLOB_CHARS + _SEPARATORS})
-    if bad:
-        return f"it contains {', '.join(repr(c) for c in bad)}"
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in name):
-        return "it contains a control character"
-    return None
+    check_instance(retry, RetryPolicy, "RunConfig.storage_retry",
+                   "storage_retry=raylastic.checkpoint.storage.RetryPolicy(...), or None (the default)")
+    check_int(retry.max_attempts, "RunConfig.storage_retry.max_attempts", minimum=1,
+              fix="pass max_attempts=5 (the default) or another count >= 1")
+    for name in ("base_delay_s", "max_delay_s"):
+        check_number(getattr(retry, name), f"RunConfig.storage_retry.{name}", minimum=0, unit="seconds",
+                     fix=f"pass {name} as seconds >= 0")
 
 
 def describe(obj: Any) -> Dict[str, Any]:

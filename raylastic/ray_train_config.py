@@ -11,7 +11,10 @@ field of those classes (ray 2.60) is one of:
 - refused: ``ConfigError`` naming the field and what to do instead.
 
 All of it runs at construction, before ``ray.init`` or any actor. docs/ray_train.md has
-the table with the reasons.
+the table with the reasons. Every field is also checked for its type and range with the
+rules of ``raylastic._internal.validate`` (Ray Train itself checks few: ``use_gpu="yes"``
+and a NaN grace period pass its constructors); an error raised by raylastic's own config
+for a translated value names the Ray Train field (``ray.train.RunConfig.name``).
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from ray.train.v2._internal.constants import _DEPRECATED
 from ray.train.v2.api.config import (
     CheckpointConfig as RayCheckpointConfig,
     FailureConfig as RayFailureConfig,
+    LoggingConfig as RayLoggingConfig,
     RunConfig as RayRunConfig,
     ScalingConfig as RayScalingConfig,
 )
 
+from raylastic._internal.validate import check_bool, check_instance, check_number, check_resources, check_text, is_int
 from raylastic._internal.worker_group.group import GROUP_TIMEOUT_S
 from raylastic.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from raylastic.errors import ConfigError
@@ -82,10 +87,27 @@ def _refuse(field: str, value: Any, why: str, fix: str) -> ConfigError:
     return ConfigError(f"ray.train.{field}={value!r} is not supported by raylastic: {why}. Fix: {fix}.")
 
 
+def _ours(cls: type, **kwargs: Any) -> Any:
+    """raylastic's config built from translated values; its errors name Ray Train's field
+    (``RunConfig.name`` -> ``ray.train.RunConfig.name``): that is what the user typed."""
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"ray.train.{e}") from None
+
+
 # -- ScalingConfig ----------------------------------------------------------------------
 
 def translate_scaling(sc: RayScalingConfig, ignored: List[Ignored]) -> ScalingConfig:
     min_workers, max_workers = parse_num_workers(sc.num_workers)
+    check_bool(sc.use_gpu, "ray.train.ScalingConfig.use_gpu",
+               "pass use_gpu=True (NCCL, one GPU per worker) or use_gpu=False (gloo on CPU)")
+    check_bool(sc.use_tpu, "ray.train.ScalingConfig.use_tpu", "remove use_tpu (raylastic has no TPU support)")
+    check_resources(sc.resources_per_worker, "ray.train.ScalingConfig.resources_per_worker")
+    check_text(sc.accelerator_type, "ray.train.ScalingConfig.accelerator_type", optional=True,
+               fix="pass an accelerator type such as 'A100', or leave it out")
+    check_number(sc.elastic_resize_monitor_interval_s, "ray.train.ScalingConfig.elastic_resize_monitor_interval_s",
+                 above=0, unit="seconds", fix="remove it (raylastic has no resize interval)")
     if sc.trainer_resources is not None:
         raise _refuse("ScalingConfig.trainer_resources", sc.trainer_resources,
                       "the controller reserves no CPU or GPU (Ray Train 2.x rejects it too)",
@@ -105,8 +127,8 @@ def translate_scaling(sc: RayScalingConfig, ignored: List[Ignored]) -> ScalingCo
             "ScalingConfig.elastic_resize_monitor_interval_s",
             "raylastic has no resize interval: a worker placed on new capacity joins at the next "
             "checkpoint boundary (or an agreed report a few steps ahead) after a 1 s settle window"))
-    return ScalingConfig(min_workers=min_workers, max_workers=max_workers,
-                         resources_per_worker=worker_resources(sc), use_gpu=bool(sc.use_gpu))
+    return _ours(ScalingConfig, min_workers=min_workers, max_workers=max_workers,
+                 resources_per_worker=worker_resources(sc), use_gpu=sc.use_gpu)
 
 
 def parse_num_workers(num_workers: Any) -> Tuple[int, int]:
@@ -197,14 +219,17 @@ def translate_run(rc: RayRunConfig, ignored: List[Ignored]) -> RunConfig:
                       "raylastic's worker actors take the job's runtime environment",
                       "set it for the whole job: ray.init(runtime_env=...) before fit(), or "
                       "ray job submit --runtime-env-json")
+    check_instance(rc.logging_config, RayLoggingConfig, "ray.train.RunConfig.logging_config",
+                   "ray.train.LoggingConfig(log_level=...), or leave it out", optional=True)
     level = getattr(rc.logging_config, "log_level", "INFO")
     if level != "INFO":
         ignored.append(Ignored("RunConfig.logging_config.log_level",
                                "it sets the level of Ray Train's controller logs, and that controller "
                                "does not run here; raylastic logs to the 'raylastic' logger"))
-    return RunConfig(name=rc.name, storage_path=rc.storage_path,
-                     failure_config=translate_failure(rc.failure_config, ignored),
-                     checkpoint_config=translate_checkpoint(rc.checkpoint_config, ignored))
+    failure = translate_failure(rc.failure_config, ignored)
+    checkpoint = translate_checkpoint(rc.checkpoint_config, ignored)
+    return _ours(RunConfig, name=rc.name, storage_path=rc.storage_path, failure_config=failure,
+                 checkpoint_config=checkpoint)
 
 
 def translate_failure(fc: Optional[RayFailureConfig], ignored: List[Ignored]) -> FailureConfig:
@@ -213,11 +238,14 @@ def translate_failure(fc: Optional[RayFailureConfig], ignored: List[Ignored]) ->
     if fc.fail_fast != _DEPRECATED:
         raise _refuse("FailureConfig.fail_fast", fc.fail_fast, "Ray Train 2.x deprecated it",
                       "remove fail_fast; max_failures=0 (the default) fails at the first error")
-    for name in ("max_failures", "max_preemption_failures"):
+    for name in ("max_failures", "max_preemption_failures", "controller_failure_limit"):
         value = getattr(fc, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < -1:
-            raise ConfigError(f"ray.train.FailureConfig.{name} must be an int >= -1 (-1 = unlimited), "
-                              f"got {value!r}.")
+        if not is_int(value) or value < -1:
+            raise ConfigError(f"ray.train.FailureConfig.{name} must be an int >= -1 (-1 = unlimited), got "
+                              f"{value!r}. Fix: pass {name}=-1 (unlimited), 0, or a number of retries.")
+    check_bool(fc.relax_collectives_on_preemption, "ray.train.FailureConfig.relax_collectives_on_preemption")
+    check_number(fc.preemption_grace_s, "ray.train.FailureConfig.preemption_grace_s", minimum=0, unit="seconds",
+                 fix="remove it (survivors are never torn down at a preemption deadline here)")
     if fc.controller_failure_limit != -1:
         raise _refuse("FailureConfig.controller_failure_limit", fc.controller_failure_limit,
                       "raylastic has no controller retry count: a group that cannot start waits for "
@@ -235,7 +263,7 @@ def translate_failure(fc: Optional[RayFailureConfig], ignored: List[Ignored]) ->
     # charges every node loss to its own budget (max_node_failures), user errors and
     # crashed processes on healthy nodes to max_failures.
     preempt = fc.max_preemption_failures
-    return FailureConfig(max_failures=fc.max_failures, max_node_failures=None if preempt == -1 else preempt)
+    return _ours(FailureConfig, max_failures=fc.max_failures, max_node_failures=None if preempt == -1 else preempt)
 
 
 def translate_checkpoint(cc: Optional[RayCheckpointConfig], ignored: List[Ignored]) -> CheckpointConfig:
@@ -252,15 +280,18 @@ def translate_checkpoint(cc: Optional[RayCheckpointConfig], ignored: List[Ignore
                       "remove checkpoint_score_attribute/checkpoint_score_order; pick the best checkpoint "
                       "after fit() with result.get_best_checkpoint(metric, mode) over result.best_checkpoints "
                       "(num_to_keep=None keeps all of them)")
+    if cc.checkpoint_score_order not in ("max", "min"):
+        raise ConfigError(f"ray.train.CheckpointConfig.checkpoint_score_order={cc.checkpoint_score_order!r} must "
+                          "be 'max' or 'min'. Fix: remove it (it only orders by checkpoint_score_attribute).")
     if cc.checkpoint_score_order != "max":
         ignored.append(Ignored("CheckpointConfig.checkpoint_score_order",
                                "it only orders checkpoints by checkpoint_score_attribute, which is not set "
                                "(the same in Ray Train)"))
-    keep = cc.num_to_keep  # raylastic's CheckpointConfig refuses ints < 1
-    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool)):
+    keep = cc.num_to_keep
+    if keep is not None and (not is_int(keep) or keep < 1):
         raise ConfigError(f"ray.train.CheckpointConfig.num_to_keep must be an int >= 1 or None (keep all), "
-                          f"got {keep!r}.")
-    return CheckpointConfig(num_to_keep=cc.num_to_keep)
+                          f"got {keep!r}. Fix: pass num_to_keep=2 or more (1 keeps only the newest), or None.")
+    return _ours(CheckpointConfig, num_to_keep=keep)
 
 
 # -- TorchConfig ------------------------------------------------------------------------
@@ -272,6 +303,9 @@ def check_torch_config(tc: Any, use_gpu: bool, ignored: List[Ignored]) -> None:
     from ray.train.torch import TorchConfig
 
     _check_type(tc, TorchConfig, "torch_config", "ray.train.torch.TorchConfig(...) or leave it out")
+    check_text(tc.init_method, "ray.train.torch.TorchConfig.init_method", fix="remove init_method")
+    check_number(tc.timeout_s, "ray.train.torch.TorchConfig.timeout_s", above=0, unit="seconds",
+                 fix="remove timeout_s")
     backend = "nccl" if use_gpu else "gloo"
     if tc.backend not in (None, backend):
         raise _refuse("torch.TorchConfig.backend", tc.backend,

@@ -16,6 +16,8 @@ Constructing the state restores into the given objects, in order of preference:
 2. the latest committed checkpoint in storage (a fresh cluster, or a node lost together
    with the node holding the second copy of its shard);
 3. nothing (a fresh start).
+Attributes must load back with ``torch.load(weights_only=True)``: checked when set and at each
+commit, not at a restore (numpy scalars become Python scalars; ``_internal/state_values.py``).
 
 Why peer memory works for data parallel training: under DDP every rank holds the same
 model and optimizer state, so the group's snapshots are replicas of one state. With 3 or
@@ -61,6 +63,7 @@ import torch.distributed as dist
 from raylastic import session as _session
 from raylastic.errors import SnapshotMismatchError
 from raylastic._internal.snapshot_copy import StateCopier, clone_to_cpu, nbytes
+from raylastic._internal.state_values import check_state_args, storable_attr, storable_plain
 from raylastic._internal.holdings import HOLDS_NONE, WHOLE, Holding, is_whole, restore_from_memory_possible
 from raylastic._internal import sharded as _sharded_mod
 from raylastic._internal.stripes import assemble, held_leaves, leaves, map_leaves
@@ -190,12 +193,8 @@ class ElasticState:
                  optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler: Any = None,
                  loader: Any = None, persist_every: Optional[int] = None, snapshot_every: int = 1,
                  async_snapshot: bool = True, striped: bool = True, engine: Any = None, **attrs: Any):
-        if not isinstance(snapshot_every, int) or snapshot_every < 1:
-            raise ValueError(f"ElasticState(snapshot_every={snapshot_every!r}) must be an int >= 1")
-        if not isinstance(async_snapshot, bool):
-            raise ValueError(f"ElasticState(async_snapshot={async_snapshot!r}) must be True or False")
-        if not isinstance(striped, bool):
-            raise ValueError(f"ElasticState(striped={striped!r}) must be True or False")
+        check_state_args(persist_every=persist_every, snapshot_every=snapshot_every,
+                         async_snapshot=async_snapshot, striped=striped)
         if engine is not None:  # DeepSpeed: the engine owns the module and the (ZeRO) optimizer
             if model is not None or optimizer is not None:
                 raise ValueError("ElasticState(engine=...) takes the DeepSpeed engine instead of model= and "
@@ -207,7 +206,7 @@ class ElasticState:
         object.__setattr__(self, "_objs", {k: v for k, v in {
             "model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "loader": loader,
         }.items() if v is not None})
-        object.__setattr__(self, "_attrs", dict(attrs))
+        object.__setattr__(self, "_attrs", {k: storable_attr(k, v) for k, v in attrs.items()})
         object.__setattr__(self, "_persist_every", persist_every)
         object.__setattr__(self, "_snapshot_every", snapshot_every)
         object.__setattr__(self, "_striped", striped)
@@ -236,7 +235,7 @@ class ElasticState:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._attrs:
-            self._attrs[name] = value
+            self._attrs[name] = storable_attr(name, value)
         else:
             object.__setattr__(self, name, value)
 
@@ -373,9 +372,9 @@ class ElasticState:
         if index % self._snapshot_every and not persist and (self._sharded is not None or not sess.stop_requested):
             sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), None, persist=False)
             return
-        plain = {"attrs": copy.deepcopy(self._attrs),
-                 "_objects": {k: copy.deepcopy(o.state_dict()) for k, o in self._objs.items()
-                              if k in self._PLAIN_OBJECTS}}
+        plain = storable_plain({"attrs": copy.deepcopy(self._attrs),  # (a list attribute may have grown)
+                                "_objects": {k: copy.deepcopy(o.state_dict()) for k, o in self._objs.items()
+                                             if k in self._PLAIN_OBJECTS}})
         if sess.data is not None:  # the split datasets' positions ride with the snapshot
             plain["datasets"] = sess.data.positions()
         snap = Snapshot(index=index, plain=plain,

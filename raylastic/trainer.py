@@ -15,7 +15,7 @@ from ray.train import Checkpoint
 from raylastic._internal.cluster.notices import sources_from_env
 from raylastic._internal.controller.controller import Controller
 from raylastic._internal.cluster.shared_storage import check_shared
-from raylastic.checkpoint.lease import DEFAULT_TTL_S, LEASE_FILE, RunLease
+from raylastic.checkpoint.lease import LEASE_FILE, RunLease
 from raylastic.checkpoint.storage import Storage
 from raylastic.config import RunConfig, ScalingConfig
 from raylastic.errors import ConfigError, RunInUseError, TrainingAborted
@@ -125,7 +125,7 @@ class ElasticTrainer:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         # One fit() per run: a second one fails here, before Ray is started or anything taken.
-        lease = RunLease(storage, self._name, ttl_s=getattr(self._run, "lease_ttl_s", DEFAULT_TTL_S))
+        lease = RunLease(storage, self._name, ttl_s=self._run.lease_ttl_s)
         epoch_floor = lease.acquire()
         try:
             return self._start(storage, lease, epoch_floor, raise_on_error, fit_ts)

@@ -125,13 +125,8 @@ class RunLease:
         if self._storage.is_local and raw is None:
             if not self._create_exclusive(mine):  # the filesystem decided: someone else was first
                 raise self._in_use(self._read() or mine, self._clock(), raced=True)
-        else:
-            self._storage.write_bytes(self._rel, _encode(mine))
-            if self._settle_s > 0:
-                self._stop.wait(self._settle_s)
-            back = self._read()
-            if back is None or back.token != self.token:
-                raise self._in_use(back or mine, self._clock(), raced=True)
+        elif not self._write_and_read_back(mine):
+            raise self._in_use(self._read() or mine, self._clock(), raced=True)
         self._thread = threading.Thread(target=self._renew_loop, name="raylastic-lease", daemon=True)
         self._thread.start()
         return self.epoch
@@ -205,15 +200,32 @@ class RunLease:
         return rec
 
     def _create_exclusive(self, rec: LeaseRecord) -> bool:
+        """Create the record only if none exists, whole: written to a temp file, then
+        hard-linked to the final name (``link`` fails if the name exists), so nobody ever
+        reads a half-written record and takes it for a garbled one."""
         path = self._storage.path(self._rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{self.token}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(_encode(rec))
+            fh.flush()
+            os.fsync(fh.fileno())
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.link(tmp, path)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(_encode(rec))
+        except OSError:  # a mount without hard links (some FUSE/SMB): write and read back
+            return self._write_and_read_back(rec)
+        finally:
+            os.unlink(tmp)
         return True
+
+    def _write_and_read_back(self, rec: LeaseRecord) -> bool:
+        self._storage.write_bytes(self._rel, _encode(rec))
+        if self._settle_s > 0:
+            self._stop.wait(self._settle_s)
+        back = self._read()
+        return back is not None and back.token == self.token
 
     def _in_use(self, rec: LeaseRecord, now: float, raced: bool = False) -> RunInUseError:
         left = max(0.0, rec.expires_ts - now)

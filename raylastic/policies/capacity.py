@@ -38,10 +38,11 @@ a ``Noop`` with its reason and ``numbers``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from raylastic._internal.validate import check_bool, check_instance, check_int, check_number, error
+from raylastic.errors import ConfigError
 from raylastic.policies.base import Noop
 from raylastic.policies.capacity_decisions import (  # noqa: F401 - re-exported
     CapacityDecision,
@@ -112,68 +113,87 @@ class CapacityPolicy:
     prices: Optional[PriceTable] = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prefer", Market.parse(self.prefer, "CapacityPolicy.prefer"))
-        object.__setattr__(self, "objective", Objective.parse(self.objective, "CapacityPolicy.objective"))
-        for name in ("fallback_after_s", "max_wait_s", "spot_wait_s", "on_demand_boot_s",
-                     "fixed_usd_per_hour", "deadline_margin"):
-            v = getattr(self, name)
-            if name == "spot_wait_s" and v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
-                    v < 0 and name not in ("fallback_after_s", "max_wait_s")):  # checked below
-                raise ValueError(f"CapacityPolicy.{name}={v!r} must be a finite number >= 0")
-        d = self.deadline_s
-        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float))
-                              or not math.isfinite(d) or d <= 0):
-            raise ValueError(f"CapacityPolicy.deadline_s={d!r} must be a number of seconds > 0, or None")
+        # The field rules are raylastic._internal.validate's, shared with the run configs;
+        # every error is a ConfigError (a ValueError) naming CapacityPolicy.<field> and the fix.
+        for name, enum in (("prefer", Market), ("objective", Objective)):
+            try:
+                object.__setattr__(self, name, enum.parse(getattr(self, name), f"CapacityPolicy.{name}"))
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"{e}. Fix: pass {name}=" + " or ".join(repr(m.value) for m in enum)) from None
+        seconds = {"fallback_after_s": "0 requests on-demand as soon as spot is short",
+                   "max_wait_s": "30 minutes: max_wait_s=1800", "on_demand_boot_s": "180 s is typical",
+                   "spot_wait_s": "None: half of max_wait_s"}
+        for name, hint in seconds.items():  # ranges of the first two below, with their own messages
+            check_number(getattr(self, name), f"CapacityPolicy.{name}", unit="seconds",
+                         minimum=None if name in ("fallback_after_s", "max_wait_s") else 0,
+                         none_means="half of max_wait_s" if name == "spot_wait_s" else None,
+                         fix=f"pass {name} as seconds ({hint})")
+        check_number(self.fixed_usd_per_hour, "CapacityPolicy.fixed_usd_per_hour", minimum=0,
+                     fix="pass the run's fixed cost in USD per hour (head node, licences), or 0")
+        check_number(self.deadline_margin, "CapacityPolicy.deadline_margin", minimum=0,
+                     fix="pass a fraction of deadline_s such as 0.1 (finish 10% early)")
+        check_number(self.deadline_s, "CapacityPolicy.deadline_s", above=0, unit="seconds",
+                     none_means="no deadline", fix="pass the seconds from fit() the run must finish in, or None")
+        check_int(self.max_on_demand_workers, "CapacityPolicy.max_on_demand_workers", minimum=None,
+                  none_means="up to max_workers", fix="pass a number of workers >= 0, or None")
+        check_bool(self.return_to_spot, "CapacityPolicy.return_to_spot")
+        check_instance(self.prices, PriceTable, "CapacityPolicy.prices",
+                       "prices=PriceTable.from_mapping({'spot': 0.9, 'on_demand': 3.0}), or None", optional=True)
         if self.deadline_margin >= 1:
-            raise ValueError(f"CapacityPolicy.deadline_margin={self.deadline_margin!r} is a fraction of "
-                             "deadline_s and must be < 1 (0.1 = finish 10% early)")
+            raise ConfigError(f"CapacityPolicy.deadline_margin={self.deadline_margin!r} is a fraction of "
+                              "deadline_s and must be < 1. Fix: e.g. 0.1 (finish 10% early)")
         if self.fallback_after_s < 0:
-            raise ValueError(
-                f"CapacityPolicy.fallback_after_s ({self.fallback_after_s}) must be >= 0; "
-                "use 0 to request on-demand as soon as spot is short"
+            raise ConfigError(
+                f"CapacityPolicy.fallback_after_s ({self.fallback_after_s}) must be >= 0. "
+                "Fix: use 0 to request on-demand as soon as spot is short"
             )
         if self.max_wait_s <= 0:
-            raise ValueError(f"CapacityPolicy.max_wait_s ({self.max_wait_s}) must be > 0")
+            raise ConfigError(f"CapacityPolicy.max_wait_s ({self.max_wait_s}) must be > 0. Fix: it is finite "
+                              "by design; pass the seconds to wait below min_workers, e.g. 1800")
         cap = self.max_on_demand_workers
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-            raise ValueError(
-                f"CapacityPolicy.max_on_demand_workers ({cap!r}) must be an int >= 0, or None "
-                "for up to max_workers"
+        if cap is not None and cap < 0:
+            raise ConfigError(
+                f"CapacityPolicy.max_on_demand_workers ({cap!r}) must be an int >= 0. Fix: pass 0 (spot "
+                "only), a cap, or None for up to max_workers"
             )
         wait_first = self.spot_wait_after_s if self.objective is Objective.COST else self.fallback_after_s
         if self.prefer is Market.SPOT and cap != 0 and self.deadline_s is None and self.max_wait_s <= wait_first:
-            raise ValueError(
+            raise ConfigError(
                 f"CapacityPolicy.max_wait_s ({self.max_wait_s}) <= "
                 f"{'spot_wait_s' if self.objective is Objective.COST else 'fallback_after_s'} "
-                f"({wait_first}): the run would give up before trying on-demand; "
+                f"({wait_first}): the run would give up before trying on-demand. Fix: "
                 "raise max_wait_s or lower it"
             )
         if self.prefer is Market.ON_DEMAND and cap == 0:
-            raise ValueError(
+            raise ConfigError(
                 "CapacityPolicy: prefer='on_demand' with max_on_demand_workers=0 can never get "
-                "a worker; raise max_on_demand_workers or use prefer='spot'"
+                "a worker. Fix: raise max_on_demand_workers or use prefer='spot'"
             )
         self._check_node_types()
         if self.prices is not None:
             self.prices.require(t.name for t in self.used_node_types())
 
     def _check_node_types(self) -> None:
+        if not isinstance(self.node_types, (tuple, list)):
+            raise error("CapacityPolicy.node_types", self.node_types, "a tuple of NodeType",
+                        "pass node_types=(NodeType(name=..., market='spot'), NodeType(name=..., "
+                        "market='on_demand'))", wrong_type=True)
         types = tuple(self.node_types)
         object.__setattr__(self, "node_types", types)
         for t in types:
             if not isinstance(t, NodeType):
-                raise ValueError(f"CapacityPolicy.node_types: {t!r} is not a NodeType")
+                raise ConfigError(f"CapacityPolicy.node_types: {t!r} is not a NodeType. Fix: pass "
+                                  "NodeType(name=..., market=...) objects")
         names = [t.name for t in types]
         if len(set(names)) != len(names):
-            raise ValueError(f"CapacityPolicy.node_types: duplicate names in {names}")
+            raise ConfigError(f"CapacityPolicy.node_types: duplicate names in {names}. Fix: name each "
+                              "node type once")
         for market in Market:
             of_market = [t.name for t in types if t.market is market]
             if len(of_market) != 1:
-                raise ValueError(
+                raise ConfigError(
                     f"CapacityPolicy.node_types needs exactly one {market.value} node type, "
-                    f"got {of_market or 'none'}; pass node_types=(NodeType(name=..., "
+                    f"got {of_market or 'none'}. Fix: pass node_types=(NodeType(name=..., "
                     "market='spot'), NodeType(name=..., market='on_demand'))"
                 )
 
@@ -218,13 +238,13 @@ class CapacityPolicy:
         cap = self.max_on_demand_workers
         if cap is not None and cap > max_workers:
             raise ValueError(
-                f"CapacityPolicy.max_on_demand_workers ({cap}) > max_workers ({max_workers}); "
-                f"lower max_on_demand_workers to at most {max_workers}"
+                f"CapacityPolicy.max_on_demand_workers ({cap}) > max_workers ({max_workers}). "
+                f"Fix: lower max_on_demand_workers to at most {max_workers}"
             )
         if self.prefer is Market.ON_DEMAND and cap is not None and cap < min_workers:
             raise ValueError(
-                f"prefer='on_demand' with max_on_demand_workers ({cap}) < min_workers "
-                f"({min_workers}) can never start; raise max_on_demand_workers"
+                f"CapacityPolicy: prefer='on_demand' with max_on_demand_workers ({cap}) < min_workers "
+                f"({min_workers}) can never start. Fix: raise max_on_demand_workers"
             )
 
     def request_args(self, counts: Mapping[str, int]) -> Dict[str, List[Dict[str, Any]]]:

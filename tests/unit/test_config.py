@@ -9,7 +9,7 @@ from raylastic import CheckpointConfig, ConfigError, FailureConfig, RunConfig, S
     "kwargs, needle",
     [
         ({"min_workers": 3, "max_workers": 2}, "min_workers (3) > max_workers (2)"),
-        ({"min_workers": 0}, "min_workers must be an int >= 1"),
+        ({"min_workers": 0}, "min_workers=0 must be an int >= 1"),
         ({"min_workers": 1.5}, "min_workers"),
         ({"max_workers": 0}, "max_workers"),
         ({"max_wait_s": -1}, "max_wait_s"),
