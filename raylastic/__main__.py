@@ -1,7 +1,8 @@
 """``raylastic <command>`` (console script) and ``python -m raylastic <command>``.
 
-Commands: ``report`` (see ``raylastic report --help`` and docs/report.md). Kept light:
-importing this module imports neither Ray nor torch.
+Commands: ``report`` (see ``raylastic report --help`` and docs/report.md) and ``check``
+(``raylastic check --help``, cluster-configs/README.md). Kept light: importing this module
+imports neither Ray nor torch (nor does ``check``: it runs where no cluster is).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ USAGE = """usage: raylastic <command> [options]
 
 commands:
   report RUN_PATH   what elasticity did in a run and what it saved (--json, --plots DIR)
+  check CONFIG...   whether Ray cluster configs give raylastic what it needs (offline)
 
 'raylastic <command> --help' describes a command's options."""
 
@@ -31,6 +33,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from raylastic.reporting.cli import main as report_main
 
         return report_main(args[1:])
+    if args[0] == "check":
+        from raylastic.check import main as check_main
+
+        return check_main(args[1:])
     print(f"raylastic: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

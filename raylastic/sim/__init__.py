@@ -1,7 +1,18 @@
-"""A local spot cloud: the capacity/preemption trace format (:mod:`raylastic.sim.trace`),
-the simulator that replays traces against Ray's real autoscaler
-(:class:`~raylastic.sim.SpotCloud`), and the time scale that maps its seconds to a real
-cloud's (:mod:`raylastic.sim.timescale`)."""
+"""A local spot cloud, for tests, ``make demo`` and the benchmarks (no cloud account).
+
+- :class:`~raylastic.sim.SpotCloud`: a Ray head plus Ray's real autoscaler (v1) launching
+  local raylets of the node types ``spot`` and ``on_demand`` (the ``CapacityPolicy``
+  defaults), with capacity caps, launch delays, hourly prices, and preemptions with a
+  notice (a Ray drain with a deadline, then a kill).
+- Traces (:mod:`raylastic.sim.trace`): the CSV format of what the cloud does over time, and
+  the shipped traces ``calm``, ``busy``, ``drought``, ``long`` and ``demo``
+  (:func:`shipped_trace`).
+- The time scale (:mod:`raylastic.sim.timescale`): what one simulated second stands for on a
+  real cloud; ``SpotCloud(time_scale=10)`` derives boots and idle timeouts from real-world
+  values.
+
+Guides: docs/simulator.md and docs/traces.md.
+"""
 
 from raylastic.sim.trace import (
     SHIPPED_TRACES,
