@@ -12,6 +12,9 @@ One loop, ``run -> _tick -> _step_<state> -> next state``; each collaborator own
 - ``ReportIngest`` (``ingest.py``): the one path for workers' reports and metrics;
 - policies (scaling, failure, capacity through ``CapacityDriver``, stop index): decide.
 
+The capacity and failure steps live in ``capacity_steps.py`` and ``failure_steps.py``
+(mixins of this class, sharing its collaborators).
+
 The controller makes no actor call and imports no torch, so ``tests/unit/test_controller.py``
 steps it against a fake group.
 """
@@ -24,6 +27,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from raylastic._internal.cluster.capacity_driver import CapacityDriver
+from raylastic._internal.controller.capacity_steps import CapacitySteps
+from raylastic._internal.controller.failure_steps import FailureSteps
 from raylastic._internal.controller.graceful_stop import AllFinished, Failed, GracefulStop
 from raylastic._internal.controller.ingest import ReportIngest
 from raylastic._internal.controller.memory_restore import MemoryRestore
@@ -33,20 +38,17 @@ from raylastic._internal.controller.states import (
 from raylastic._internal.worker_group.group import (
     ABORT_JOIN_MIN_S, GroupFormationError, Interrupted, MembersLost, PollBatch, WorkerGroup,
 )
-from raylastic._internal.worker_group.pool import WorkerHandle, spares_holding_needed_state
-from raylastic._internal.worker_group.results import PollResult, WorkerStatus, cause_text, rank_errors
+from raylastic._internal.worker_group.pool import WorkerHandle
+from raylastic._internal.worker_group.results import PollResult, WorkerStatus, rank_errors
 from raylastic.checkpoint.manager import CheckpointManager
 from raylastic.checkpoint.storage import StorageError
 from raylastic.config import RunConfig, ScalingConfig, describe, describe_run
 from raylastic.errors import (
-    InsufficientCapacityError, RankFailure, SnapshotMismatchError, TrainingAborted, TrainingFailedError,
-    storage_failure,
+    InsufficientCapacityError, SnapshotMismatchError, TrainingAborted, storage_failure,
 )
 from raylastic.events import EventKind, EventLog, LossCause
 from raylastic.policies.base import Noop, Raise, Resize, Wait
-from raylastic.policies.capacity import DeadlineUnreachable, GiveUp, MigrateToSpot
-from raylastic.policies.failure import FailureCounts, FailureKind, FailurePolicy
-from raylastic.policies.node_types import Market
+from raylastic.policies.failure import FailureCounts, FailurePolicy
 from raylastic.policies.scaling import ElasticScalingPolicy, ScalingSnapshot
 
 logger = logging.getLogger("raylastic")
@@ -62,7 +64,7 @@ ERROR_CLASSIFY_GRACE_S = 5.0
 # process, state by broadcast) costs seconds; waiting for the group timeout, a minute.
 ABORT_JOIN_STEPS = 3
 
-class Controller:
+class Controller(CapacitySteps, FailureSteps):
     """Ray actor body. ``run()`` blocks until training ends and returns an outcome dict.
 
     ``scaling_policy``, ``failure_policy`` and ``group`` default to the ones the configs
@@ -198,48 +200,6 @@ class Controller:
             return self._step_resizing(st)
         raise AssertionError(f"no step for {st!r}")
 
-    # -- capacity (spot / on-demand) ------------------------------------------------
-    def _capacity_step(self) -> None:
-        """Run the capacity policy; carry out a migration or giving up."""
-        st = self._state
-        members = list(getattr(st, "members", []))
-        latest = self._ckpt.latest()
-        # A migration is carried out only from Running: elsewhere no boundary is offered,
-        # so the policy does not propose (and log) one that would be dropped.
-        boundary = isinstance(st, Running) and (
-            (latest is not None and latest.index != self._last_committed_seen)
-            or bool(members and all(m.snapshots for m in members)))
-        self._last_committed_seen = latest.index if latest else None
-        self._group.drained(members)  # refresh the draining view the policy excludes
-        # Keep the group's members (also while a graceful stop runs over several ticks),
-        # and the ready workers that hold in-memory snapshots the members do not have
-        # newer copies of: they are the state the next group restores from (trimming them
-        # would force a storage read). Once the running group holds newer snapshots, a
-        # worker that left it (an on-demand worker moved off) is released and its node
-        # stops costing money.
-        protect = members + spares_holding_needed_state(self._group.ready_workers(), members,
-                                                        isinstance(st, Running))
-        training = isinstance(st, Running) and st.progress.reached(default=-1) >= 0
-        d = self._capacity.tick(members, self._group.draining, boundary, protect=protect,
-                                index=self._ingest.last_index, training=training)
-        if isinstance(d, (GiveUp, DeadlineUnreachable)):
-            self._abort_all(f"capacity wait exhausted: {d.reason}" if isinstance(d, GiveUp)
-                            else f"capacity: {d.reason}")
-            self._stop_members(members, graceful=False)
-            self._set_state(Errored(d.error()))
-        elif isinstance(d, MigrateToSpot) and isinstance(st, Running):
-            self._set_state(self._migrate(st, d))
-
-    def _migrate(self, st: Running, migration: MigrateToSpot) -> State:
-        """Swap on-demand members for ready spot workers at this boundary."""
-        od = {t.name for t in self._capacity.policy.node_types if t.market is Market.ON_DEMAND}
-        on_demand = [m for m in st.members if m.node_type in od]
-        leaving = sorted(on_demand, key=lambda m: -m.prev_rank)[:migration.workers]
-        for name in od:  # do not refill the slots being given back
-            self._group.set_target(name, migration.target.get(name, 0))
-        return Resizing(epoch=st.epoch, members=st.members, reason=migration.reason, graceful=True,
-                        started_at=time.monotonic(), leaving=leaving, progress=st.progress)
-
     # -- Scheduling ----------------------------------------------------------------
     def _step_scheduling(self, st: Scheduling) -> State:
         now = time.monotonic()
@@ -354,53 +314,6 @@ class Controller:
                             started_at=time.monotonic(), progress=st.progress)
         time.sleep(self._run.poll_interval_s)
         return st
-
-    def _memory_snapshot_unusable(self, st: Running, failures: List[RankFailure]) -> State:
-        """The in-memory snapshot does not fit the train function's objects: say so, and
-        restart the same members from the last committed checkpoint (not a failure)."""
-        self._memory.mark_unusable(st.memory_index, st.epoch, failures[0].message.split(": ", 1)[-1].splitlines()[0])
-        return Resizing(epoch=st.epoch, members=st.members, reason="in-memory snapshot unusable",
-                        graceful=False, started_at=time.monotonic(), progress=st.progress)
-
-    # -- failures ------------------------------------------------------------------
-    def _on_failure(self, st: Any, batch: PollBatch, failures: List[RankFailure]) -> State:
-        """Workers were lost and/or ranks raised (``st``: Running, or Resizing during a
-        graceful stop). A lost node makes every other error in the attempt collateral
-        (peers of a vanished rank fail their collective); only without one does the
-        attempt count as a real failure."""
-        node_lost = [m for m in batch.lost if not self._group.is_crash(m, batch.causes.get(m.wid))]
-        for m in batch.lost:
-            kind = LossCause.NODE_LOST if m in node_lost else LossCause.CRASH
-            failures.append(RankFailure(m.prev_rank, st.epoch, kind.value, cause_text(batch.causes.get(m.wid))))
-            self._worker_lost(m, kind, f"worker rank {m.prev_rank} on node {m.node_id[-8:]} lost ({kind.value})",
-                              epoch=st.epoch, last_index=st.progress.last_index.get(m.wid, 0))
-        kind = FailureKind.NODE_LOST if node_lost else FailureKind.ERROR
-        decision = self._failure_policy.decide(kind, self._counts)
-        reached = st.progress.reached(default=st.restored_index if isinstance(st, Running) else 0)
-        self._events.emit(EventKind.FAILURE, f"{kind.value} in epoch {st.epoch}: " + "; ".join(
-            f"rank {f.rank} {f.kind}: {f.message.splitlines()[0] if f.message else ''}" for f in failures),
-            epoch=st.epoch, failure_kind=kind.value, decision=type(decision).__name__,
-            reason=decision.reason, reached_index=reached)
-        survivors = [m for m in st.members if m not in batch.lost]
-        if kind is FailureKind.NODE_LOST:
-            self._counts = FailureCounts(self._counts.errors, self._counts.node_losses + 1)
-        else:
-            self._counts = FailureCounts(self._counts.errors + 1, self._counts.node_losses)
-        if isinstance(decision, Raise):
-            self._stop_members(survivors, graceful=False)
-            return Errored(TrainingFailedError(decision.reason, failures), failures)
-        if decision.delay_s > 0 and self._stop_requested.wait(decision.delay_s):
-            self._stop_members(survivors, graceful=False)
-            return Errored(TrainingAborted("training was stopped while waiting to retry"), failures)
-        return Resizing(epoch=st.epoch, members=survivors, reason=f"{kind.value}: {decision.reason}",
-                        graceful=False, started_at=time.monotonic(),
-                        lost_ranks=[m.prev_rank for m in batch.lost], progress=st.progress)
-
-    def _worker_lost(self, m: WorkerHandle, cause: LossCause, message: str, **fields: Any) -> None:
-        """The one way a member leaves mid-run: recorded, then its actor is killed."""
-        self._events.emit(EventKind.WORKER_LOST, message, rank=m.prev_rank, node_id=m.node_id,
-                          cause=cause.value, wid=m.wid, **fields)
-        self._group.remove(m)
 
     # -- Resizing ------------------------------------------------------------------
     def _step_resizing(self, st: Resizing) -> State:

@@ -1,11 +1,9 @@
 """The worker group: the members, and every call the controller makes to a worker actor.
 
-The controller decides and records; this class talks to the actors. It turns what the
-actors answer (or fail to answer) into typed values: a :class:`PollBatch` per poll, a
-:class:`StopOutcome` per stop, ``StopAnswer`` / ``Holdings`` / ``PersistedSnapshot``
-from the worker. It also owns the view of which nodes are draining (preemption notices)
-and tells a crashed worker from a lost node, since both are questions about the members
-that only Ray can answer.
+The controller decides and records; this class talks to the actors and turns what they
+answer (or fail to answer) into the typed values of ``membership.py``. It also owns the
+view of which nodes are draining and tells a crashed worker from a lost node: questions
+about the members that only Ray can answer.
 
 Every wait here is interruptible: ``interrupt()`` (called on Ctrl-C or
 ``request_stop``) is checked at least every ``SLICE_S``, and a wait it cuts short
@@ -21,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
@@ -30,6 +27,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from raylastic._internal.cluster.drain import alive_nodes, draining_nodes
 from raylastic._internal.holdings import Holding, plan_stripes
 from raylastic._internal.worker_group.pool import WorkerHandle, WorkerPool
+from raylastic._internal.worker_group.membership import (  # noqa: F401 - re-exported
+    Formed, GroupFormationError, HungWorker, Interrupted, MembersLost, PollBatch, StopOutcome,
+    local_ranks, order_by_node,
+)
 from raylastic._internal.worker_group.results import (
     Holdings, PersistedSnapshot, PollResult, StopAnswer,
 )
@@ -49,10 +50,8 @@ JOIN_TIMEOUT_S = 30.0
 ABORT_JOIN_MIN_S = 5.0
 # Process-group formation timeout.
 GROUP_TIMEOUT_S = 60.0
-# How often a wait checks the stop flag.
-SLICE_S = 0.25
-# How often to ask the GCS which nodes are draining (preemption notices).
-DRAIN_CHECK_INTERVAL_S = 0.5
+SLICE_S = 0.25  # how often a wait checks the stop flag
+DRAIN_CHECK_INTERVAL_S = 0.5  # how often to ask the GCS which nodes are draining (notices)
 # A running group is watched, not polled whole every tick (``watch``): each tick polls
 # rank 0 (metrics, step time), any member whose train thread ended or whose actor died,
 # and every member at least every max(poll interval, members / MAX_POLLS_PER_S) seconds.
@@ -62,64 +61,6 @@ DRAIN_CHECK_INTERVAL_S = 0.5
 MAX_POLLS_PER_S = 200.0
 # How long one watch call (``TrainWorker.join``) waits before it is renewed.
 WATCH_CALL_S = 30.0
-
-
-class Interrupted(Exception):
-    """A stop was requested while the group was waiting on its workers."""
-
-
-class MembersLost(Exception):
-    """A call to every member failed because some are gone (``batch.lost``)."""
-
-    def __init__(self, batch: "PollBatch"):
-        super().__init__(f"{len(batch.lost)} worker(s) gone")
-        self.batch = batch
-
-
-class GroupFormationError(Exception):
-    """The process group could not be formed; ``gone`` workers were removed."""
-
-    def __init__(self, message: str, gone: int):
-        super().__init__(message)
-        self.gone = gone
-
-
-@dataclass
-class PollBatch:
-    """One poll of some members: answers by wid, members declared lost and why."""
-
-    results: Dict[int, PollResult] = field(default_factory=dict)
-    lost: List[WorkerHandle] = field(default_factory=list)
-    causes: Dict[int, Optional[BaseException]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Formed:
-    """A group set up for one membership epoch: members in rank order, their specs."""
-
-    members: List[WorkerHandle]
-    specs: List[GroupSpec]
-
-    @property
-    def stripes(self) -> Optional[List[Tuple[int, ...]]]:
-        return [s.stripe for s in self.specs] if any(s.stripe for s in self.specs) else None
-
-
-@dataclass(frozen=True)
-class HungWorker:
-    """A member whose train thread did not unwind: why, where it was stuck, and its
-    last poll (None when the actor did not answer either)."""
-
-    member: WorkerHandle
-    why: str
-    stuck_at: str
-    last_words: Optional[PollResult]
-
-
-@dataclass(frozen=True)
-class StopOutcome:
-    stopped: List[WorkerHandle]
-    hung: List[HungWorker]
 
 
 class WorkerGroup:
@@ -506,24 +447,3 @@ class WorkerGroup:
 
     def persist_snapshot(self, m: WorkerHandle, index: int, epoch: int) -> PersistedSnapshot:
         return self._get(m.actor.persist_snapshot.remote(index, epoch), JOIN_TIMEOUT_S)
-
-
-def order_by_node(members: List[WorkerHandle]) -> List[WorkerHandle]:
-    """Rank order: survivors keep their relative order (rank 0 stays rank 0 when it
-    survives); workers on one node get consecutive ranks."""
-    first_rank_on_node: Dict[str, tuple] = {}
-    for m in members:
-        key = (m.prev_rank, m.wid)
-        first_rank_on_node[m.node_id] = min(first_rank_on_node.get(m.node_id, key), key)
-    return sorted(members, key=lambda m: (first_rank_on_node[m.node_id], m.prev_rank, m.wid))
-
-
-def local_ranks(members: List[WorkerHandle]):
-    """Node rank of each node, and (local rank, local world size) of each member."""
-    node_ranks: Dict[str, int] = {}
-    per_node: Dict[str, List[WorkerHandle]] = {}
-    for m in members:
-        node_ranks.setdefault(m.node_id, len(node_ranks))
-        per_node.setdefault(m.node_id, []).append(m)
-    local = {m.wid: (i, len(ms)) for ms in per_node.values() for i, m in enumerate(ms)}
-    return node_ranks, local
