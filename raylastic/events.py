@@ -3,22 +3,44 @@
 Every state transition, decision (with its reason), resize, failure and checkpoint
 goes here. Reports (recovery times, lost steps, cost, goodput) are computed from this
 file alone, so it is written as things happen, not reconstructed afterwards.
+
+A log (``events.jsonl``, ``metrics.jsonl``) is a sequence of *segments* in the run
+directory: ``events.jsonl``, then ``events.1.jsonl``, ``events.2.jsonl``, ... (numbers
+increase, with gaps allowed); its records are those of every segment, in number order.
+Local storage appends to the last segment (a normal local run only ever has
+``events.jsonl``). Object stores cannot append, and rewriting one growing object would
+upload quadratic bytes over a long run and could replace history with a partial copy, so
+there each writer (each fit()) writes its own new segments, never reads or rewrites an
+older one, and starts a new segment once the current one reaches
+:data:`SEGMENT_BYTES`. Read a log with :func:`load_events` (a local directory) or
+:func:`read_log` (any ``Storage``), never by opening ``events.jsonl`` alone.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import logging
 import os
+import re
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 logger = logging.getLogger("raylastic")
 
 EVENTS_FILE = "events.jsonl"
 METRICS_FILE = "metrics.jsonl"
+# An object-store segment is closed once it holds this many bytes (plus its last line):
+# each upload sends at most one growing segment, so bytes uploaded grow linearly.
+SEGMENT_BYTES = 256 * 1024
+_MAX_SEGMENT = 10**9  # segment numbers have at most 9 digits
+
+
+class CorruptLogError(ValueError):
+    """A line of a run's log that is not a JSON object (other than a torn last line), or
+    a record field of the wrong type; the message names the file and line."""
 
 
 class EventKind(str, enum.Enum):
@@ -60,40 +82,82 @@ class LossCause(str, enum.Enum):
         return self in (LossCause.PREEMPTED, LossCause.RELEASED)
 
 
-class JsonlWriter:
-    """Appends JSON lines under a run directory on any ``Storage``.
+# ----------------------------------------------------------------------------- segments
 
-    Local storage appends and flushes every line (a crash loses at most a partial
-    last line, which readers skip). Object stores cannot append, so the whole file is
-    rewritten at most every ``sync_interval_s`` and on ``close()``, by a background
-    thread: during a storage outage the uploads retry there, never on the caller's
-    thread (the controller's loop keeps reacting to failures meanwhile).
+@functools.lru_cache(maxsize=None)
+def _segment_re(base: str) -> "re.Pattern[str]":
+    stem = base[: -len(".jsonl")] if base.endswith(".jsonl") else base
+    return re.compile(rf"{re.escape(stem)}(?:\.([1-9][0-9]{{0,8}}))?\.jsonl")
+
+
+def segment_number(name: str, base: str) -> Optional[int]:
+    """0 for ``base`` itself, n for ``<stem>.<n>.jsonl``, None for any other name."""
+    m = _segment_re(base).fullmatch(name)
+    return None if m is None else int(m.group(1) or 0)
+
+
+def segment_name(base: str, number: int) -> str:
+    stem = base[: -len(".jsonl")] if base.endswith(".jsonl") else base
+    return base if number == 0 else f"{stem}.{number}.jsonl"
+
+
+def log_segments(names: Iterable[str], base: str) -> List[str]:
+    """The segments of log ``base`` among directory entries ``names``, in write order
+    (unrelated names, e.g. a local writer's temp files, are left out)."""
+    found = [(segment_number(n, base), n) for n in names]
+    return [n for num, n in sorted((num, n) for num, n in found if num is not None)]
+
+
+# ----------------------------------------------------------------------------- writing
+
+class _Segment:
+    """Lines of one object-store segment; ``name`` is chosen at its first upload."""
+
+    __slots__ = ("name", "lines", "size", "synced")
+
+    def __init__(self) -> None:
+        self.name: Optional[str] = None
+        self.lines: List[str] = []
+        self.size = 0  # bytes
+        self.synced = 0  # lines in its last successful upload
+
+
+class JsonlWriter:
+    """Appends JSON lines of log ``rel`` (``<dir>/<base>``) on any ``Storage``.
+
+    Local storage appends and flushes every line to the log's last segment (a crash
+    loses at most a partial last line, which readers skip). On object stores the lines go
+    to this writer's own segments (module docstring): the current one is uploaded whole at
+    most every ``sync_interval_s`` and on ``close()``, by a background thread, so during a
+    storage outage the uploads retry there, never on the caller's thread (the controller's
+    loop keeps reacting to failures meanwhile). A segment's name is chosen when it is first
+    uploaded: one above every segment the store lists then (and above this writer's
+    previous one). A listing that fails is not "no segments": the upload waits for the
+    next sync. Nothing is ever read back, so an unreadable store cannot erase history.
+    One writer per log at a time (the run's controller).
     """
 
-    def __init__(self, storage, rel: str, sync_interval_s: float = 5.0):
+    def __init__(self, storage, rel: str, sync_interval_s: float = 5.0,
+                 segment_bytes: int = SEGMENT_BYTES):
         self._storage = storage
         self._rel = rel
+        self._dir, _, self._base = rel.rpartition("/")
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()  # one upload at a time, in order
-        self._lines: List[str] = []
         self._sync_interval_s = sync_interval_s
-        self._version = 0  # lines appended so far
-        self._synced = 0  # lines in the last successful upload
+        self._segment_bytes = segment_bytes
+        self._segments: List[_Segment] = [_Segment()]  # the last one is being written
+        self._number = -1  # this writer's last segment number
         self._fh = None
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._thread: Optional[threading.Thread] = None
         if storage.is_local:
-            path = storage.path(rel)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._fh = open(path, "a", encoding="utf-8")
+            directory = os.path.dirname(storage.path(rel))
+            os.makedirs(directory, exist_ok=True)
+            last = (log_segments(os.listdir(directory), self._base) or [self._base])[-1]
+            self._fh = open(os.path.join(directory, last), "a", encoding="utf-8")
         else:
-            try:
-                existing = storage.read_bytes(rel).decode("utf-8")
-                self._lines = [ln for ln in existing.splitlines() if ln.strip()]
-            except Exception:  # noqa: BLE001 - a new run has no file yet
-                self._lines = []
-            self._version = self._synced = len(self._lines)
             self._thread = threading.Thread(target=self._sync_loop, name=f"raylastic-sync-{rel}", daemon=True)
             self._thread.start()
 
@@ -104,8 +168,11 @@ class JsonlWriter:
                 self._fh.write(line + "\n")
                 self._fh.flush()
                 return
-            self._lines.append(line)
-            self._version += 1
+            seg = self._segments[-1]
+            seg.lines.append(line)
+            seg.size += len(line.encode()) + 1
+            if seg.size >= self._segment_bytes:  # full: its lines never change again
+                self._segments.append(_Segment())
 
     def _sync_loop(self) -> None:
         while not self._closed.is_set():
@@ -115,19 +182,40 @@ class JsonlWriter:
                 self._sync()
 
     def _sync(self) -> bool:
-        """Upload the file if lines were added since the last upload; False on failure."""
+        """Upload the full segments not uploaded whole yet, then the current one if it
+        grew since its last upload; False on failure (the next sync tries again)."""
         with self._sync_lock:
-            with self._lock:
-                version, text = self._version, "\n".join(self._lines) + "\n"
-            if version == self._synced:
-                return True
-            try:
-                self._storage.write_bytes(self._rel, text.encode())
-            except Exception as e:  # noqa: BLE001 - logging must never kill training
-                logger.warning("could not sync %s: %s", self._rel, e)
-                return False
-            self._synced = version
-            return True
+            while True:
+                with self._lock:
+                    seg = self._segments[0]
+                    current = len(self._segments) == 1
+                    lines = list(seg.lines)
+                if len(lines) > seg.synced:
+                    try:
+                        if seg.name is None:
+                            seg.name = self._next_name()
+                        self._storage.write_bytes(self._path(seg.name), _text(lines))
+                    except Exception as e:  # noqa: BLE001 - logging must never kill training
+                        logger.warning("could not sync %s: %s", self._rel, e)
+                        return False
+                    seg.synced = len(lines)
+                if current:
+                    return True
+                with self._lock:  # a full segment, uploaded whole: done with it
+                    self._segments.pop(0)
+
+    def _next_name(self) -> str:
+        """A segment number above every listed one and this writer's last one. A listing
+        error propagates (after the Storage's retries): never guess "no segments"."""
+        listed = [segment_number(n, self._base) for n in self._storage.list_dir(self._dir)]
+        number = max([self._number] + [n for n in listed if n is not None]) + 1
+        if number >= _MAX_SEGMENT:
+            raise RuntimeError(f"{self._rel}: no segment number left after {number - 1}")
+        self._number = number
+        return segment_name(self._base, number)
+
+    def _path(self, name: str) -> str:
+        return f"{self._dir}/{name}" if self._dir else name
 
     def flush(self) -> None:
         """Upload now (object stores), on the caller's thread."""
@@ -145,6 +233,10 @@ class JsonlWriter:
         if self._thread is not None:
             self._thread.join(timeout=60)
         self._sync()
+
+
+def _text(lines: List[str]) -> bytes:
+    return ("\n".join(lines) + "\n").encode()
 
 
 def _json_default(obj: Any) -> Any:
@@ -198,27 +290,65 @@ class EventLog:
 
 
 def read_jsonl(text: str, source: str = "") -> Iterator[Dict[str, Any]]:
-    """Parse JSON lines, skipping a truncated last line (a run that crashed mid-write)."""
-    lines = text.splitlines()
+    """Parse JSON lines, skipping a truncated last line (a run that crashed mid-write).
+
+    Lines end at "\\n" only (a JSON string may hold U+2028 and the like). Any other line
+    that is not a JSON object raises :class:`CorruptLogError` naming ``source`` and line."""
+    for _, record in read_jsonl_numbered(text, source):
+        yield record
+
+
+def read_jsonl_numbered(text: str, source: str = "") -> Iterator[Tuple[int, Dict[str, Any]]]:
+    """:func:`read_jsonl`, with each record's 1-based line number."""
+    lines = text.split("\n")
+    if lines and not lines[-1].strip():
+        lines.pop()  # the text ends with a newline (or blanks): no torn last line
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (ValueError, RecursionError):  # also: too deep, an int of > 4300 digits
             if i == len(lines) - 1:
                 logger.warning("skipping truncated last line %d of %s", i + 1, source or "log")
                 continue
-            raise ValueError(f"{source or 'log'} line {i + 1} is not valid JSON: {line[:80]!r}")
+            raise CorruptLogError(f"{source or 'log'} line {i + 1} is not valid JSON: "
+                                  f"{line[:80]!r}") from None
+        if not isinstance(record, dict):
+            raise CorruptLogError(f"{source or 'log'} line {i + 1} is not a JSON object: "
+                                  f"{line[:80]!r}")
+        yield i + 1, record
+
+
+def load_log(path: str, base: str = EVENTS_FILE) -> List[Dict[str, Any]]:
+    """Records of log ``base`` of a run directory on local disk, every segment in order;
+    [] when there is none. CorruptLogError for a corrupt line (bad UTF-8 is replaced)."""
+    directory = os.path.expanduser(path)
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out: List[Dict[str, Any]] = []
+    for name in log_segments(names, base):
+        p = os.path.join(directory, name)
+        with open(p, "rb") as fh:
+            out += read_jsonl(fh.read().decode("utf-8", "replace"), p)
+    return out
 
 
 def load_events(path: str) -> List[Dict[str, Any]]:
     """Events of a run directory on local disk (tests, tools)."""
-    p = os.path.join(os.path.expanduser(path), EVENTS_FILE)
-    if not os.path.exists(p):
-        return []
-    with open(p, encoding="utf-8") as fh:
-        return list(read_jsonl(fh.read(), p))
+    return load_log(path, EVENTS_FILE)
+
+
+def read_log(storage, run_rel: str, base: str = EVENTS_FILE) -> List[Dict[str, Any]]:
+    """Records of log ``base`` of run ``run_rel`` on any ``Storage``, every segment in
+    order; [] when there is none. StorageError from the store, CorruptLogError as above."""
+    prefix = f"{run_rel.rstrip('/')}/" if run_rel.strip("/") else ""
+    out: List[Dict[str, Any]] = []
+    for name in log_segments(storage.list_dir(run_rel), base):
+        out += read_jsonl(storage.read_bytes(prefix + name).decode("utf-8", "replace"), prefix + name)
+    return out
 
 
 def filter_events(events: List[Dict[str, Any]], kind: EventKind) -> List[Dict[str, Any]]:

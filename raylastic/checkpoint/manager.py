@@ -67,24 +67,53 @@ def committed_checkpoints(storage, run_rel: str) -> List[CommittedCheckpoint]:
 def _read_manifest(storage, rel: str) -> Optional[CommittedCheckpoint]:
     """The checkpoint committed in ``rel``; None when the store says it has no manifest,
     or its manifest is corrupt. A store that cannot be read raises StorageError (after
-    the retry policy): "unreadable" is not "missing"."""
+    the retry policy): "unreadable" is not "missing".
+
+    Corrupt includes every field of the wrong type (index, epoch, world_size: integers
+    >= 0, not bools; ts: a finite number; files: [relative path, size >= 0] pairs;
+    metrics: an object) and numbers no float holds (``1e999``): the manifest is data from
+    the store, and a wrong type must be skipped here, not crash a restore later."""
     try:
         raw = storage.read_bytes(f"{rel}/{MANIFEST}")
     except FileNotFoundError:  # the store answered: never committed
         return None
+
+    def count(key: str) -> int:
+        v = data[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{key} is {v!r}, not an integer >= 0")
+        return v
+
+    def file_entry(f: Any) -> tuple:
+        if not (isinstance(f, list) and len(f) == 2 and isinstance(f[0], str)
+                and isinstance(f[1], int) and not isinstance(f[1], bool) and f[1] >= 0):
+            raise ValueError(f"files entry {f!r:.80} is not [relative path, size >= 0]")
+        if "\x00" in f[0] or any(part in ("", ".", "..") for part in f[0].split("/")):
+            raise ValueError(f"files entry {f[0]!r:.80} is not a plain relative path")
+        f[0].encode("utf-8")  # UnicodeEncodeError (a ValueError) for a lone surrogate
+        return tuple(f)
+
     try:
         data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
         if data.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {data.get('schema_version')}")
+            raise ValueError(f"schema_version {data.get('schema_version')!r:.40}")
+        ts = data["ts"]
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not (
+                float("-inf") < float(ts) < float("inf")):  # an int beyond floats: OverflowError
+            raise ValueError(f"ts is {ts!r:.40}, not a finite number")
+        files, metrics = data.get("files", []), data.get("metrics", {})
+        if not isinstance(files, list) or not isinstance(metrics, dict):
+            raise ValueError("files must be a list and metrics an object")
         return CommittedCheckpoint(
-            rel=rel, index=int(data["index"]), epoch=int(data["epoch"]),
-            world_size=int(data["world_size"]), ts=float(data["ts"]),
-            files=[tuple(f) for f in data.get("files", [])], metrics=data.get("metrics", {}),
+            rel=rel, index=count("index"), epoch=count("epoch"), world_size=count("world_size"),
+            ts=float(ts), files=[file_entry(f) for f in files], metrics=metrics,
         )
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
         # The manifest is written whole and last, so a corrupt one was not written by a
         # commit: skip it, and leave it on storage (delete_uncommitted keeps it).
-        logger.warning("ignoring checkpoint %s: corrupt manifest (%s: %s)", rel,
+        logger.warning("ignoring checkpoint %s: corrupt manifest (%s: %.200s)", rel,
                        type(e).__name__, e)
         return None
 

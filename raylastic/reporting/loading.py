@@ -1,5 +1,11 @@
 """Reading a run directory from any storage path into plain event and metrics records.
 
+A log is every segment of it in order (``events.jsonl``, ``events.1.jsonl``, ...; see
+:mod:`raylastic.events`). The fields the report computes with are type-checked here, as
+they are read: a log is data from a store, possibly damaged or written by something
+else, and a field of the wrong type must be a one-line error naming the file, line and
+field (:class:`~raylastic.events.CorruptLogError`), not a traceback deep in a pass.
+
 The storage seam (``raylastic.checkpoint.storage``) pulls in pyarrow, about 0.2 s of
 import: it is imported inside :func:`load_run` so ``raylastic report --help`` and code
 that only builds reports from records stay light.
@@ -10,9 +16,17 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
-from raylastic.events import EVENTS_FILE, METRICS_FILE, read_jsonl
+from raylastic.events import EVENTS_FILE, METRICS_FILE, CorruptLogError, log_segments, read_jsonl_numbered
+from raylastic.reporting.prices import shown_value
+
+# Timestamps are wall-clock seconds and durations seconds: far below this, so sums and
+# differences of any number of them stay finite. Integers fit in 64 bits.
+MAX_SECONDS = 1e13
+MAX_INT = 2**63
+
+Record = Dict[str, Any]
 
 
 class NotARunError(ValueError):
@@ -51,31 +65,118 @@ def load_run(path: str) -> RunData:
     """Read a run directory (local path, file://, s3://, gs://, abfs://, az://).
 
     NotARunError when there is no event log (naming runs found one level below);
-    ValueError for a corrupt line that is not the last one; StorageError from the store."""
+    CorruptLogError (a ValueError) for a corrupt line that is not the last one or a field
+    of the wrong type; StorageError from the store."""
     from raylastic.checkpoint.storage import Storage
 
     storage = Storage(path)
-    try:
-        raw = storage.read_bytes(EVENTS_FILE)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        raise NotARunError(_not_a_run_message(storage, path)) from None
-    try:
-        metrics_raw = storage.read_bytes(METRICS_FILE)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        metrics_raw = b""
+    names = storage.list_dir("")
     with _captured_warnings() as notes:
-        events = [e for e in read_jsonl(raw.decode("utf-8", "replace"), f"{path}/{EVENTS_FILE}")
-                  if isinstance(e, dict) and "ts" in e and "kind" in e]
-        metrics = [m for m in read_jsonl(metrics_raw.decode("utf-8", "replace"),
-                                         f"{path}/{METRICS_FILE}")
-                   if isinstance(m, dict) and "ts" in m and "index" in m]
+        events, segments, _ = _read_log(storage, path, names, EVENTS_FILE, _check_event,
+                                        ("ts", "kind"))
+        if not segments:
+            raise NotARunError(_not_a_run_message(storage, path))
+        metrics, _, metrics_bytes = _read_log(storage, path, names, METRICS_FILE, _check_metric,
+                                              ("ts", "index"))
     if not events:
         raise NotARunError(f"{path}: {EVENTS_FILE} holds no events (the run never started, "
                            "or the file is not a raylastic event log)")
-    if not metrics_raw:
+    if not metrics_bytes:
         notes.append(f"no {METRICS_FILE} in {path}: steps and goodput are unknown")
     return RunData(path, events, metrics, tuple(notes))
 
+
+def _read_log(storage, path: str, names: List[str], base: str, check: Callable[[Record], None],
+              required: Tuple[str, ...]) -> Tuple[List[Record], int, int]:
+    """Records of every segment of ``base`` that have the ``required`` fields (others are
+    not the run's records), each checked; the number of segments read, and their bytes."""
+    out: List[Record] = []
+    segments = size = 0
+    for name in log_segments(names, base):
+        try:
+            raw = storage.read_bytes(name)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            continue  # listed, then gone (or not a file): not a segment
+        segments, size = segments + 1, size + len(raw)
+        source = f"{path.rstrip('/')}/{name}"
+        for line, record in read_jsonl_numbered(raw.decode("utf-8", "replace"), source):
+            if all(k in record for k in required):
+                try:
+                    check(record)
+                except CorruptLogError as e:
+                    raise CorruptLogError(f"{source} line {line}: {e}") from None
+                out.append(record)
+    return out, segments, size
+
+
+# ----------------------------------------------------------------------------- field types
+
+def _bad(record: Record, key: str, expected: str) -> CorruptLogError:
+    return CorruptLogError(f"field {key!r} is {shown_value(record[key])}; expected {expected}")
+
+
+def _number(record: Record, key: str, limit: float) -> None:
+    v = record.get(key)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= limit:  # NaN too
+        raise _bad(record, key, f"a finite number of seconds within +-{limit:g}")
+
+
+def _int(record: Record, key: str) -> None:
+    v = record.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or abs(v) >= MAX_INT):
+        raise _bad(record, key, "an integer (64-bit)")
+
+
+def _typed(record: Record, key: str, types: tuple, expected: str) -> None:
+    v = record.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, types)):
+        raise _bad(record, key, expected)
+
+
+_INT_FIELDS = ("epoch", "world_size", "restore_index", "index", "reached_index", "lost_steps",
+               "bytes")
+_SECONDS_FIELDS = ("resize_s", "sync_s", "stage_s", "wait_s", "upload_s", "async_s")
+# Read as text (str() of anything else could be a huge or endlessly nested repr).
+_STR_FIELDS = ("node_type", "market", "message", "reason", "cause", "failure_kind", "state",
+               "decision", "error", "source")
+
+
+def _check_event(e: Record) -> None:
+    """The type of every event field a report pass reads (None: absent)."""
+    if not isinstance(e["kind"], str):
+        raise _bad(e, "kind", "a string")
+    if e["ts"] is None:
+        raise _bad(e, "ts", "a timestamp")
+    for key in ("ts", "report_ts"):
+        _number(e, key, MAX_SECONDS)
+    for key in _SECONDS_FIELDS:
+        _number(e, key, MAX_SECONDS)
+    for key in _INT_FIELDS:
+        _int(e, key)
+    for key in _STR_FIELDS:
+        _typed(e, key, (str,), "a string")
+    for key in ("wid", "node_id"):
+        _typed(e, key, (str, int), "a string or an integer")
+    nodes = e.get("nodes")
+    if nodes is not None and (not isinstance(nodes, list) or not all(
+            isinstance(n, (str, int)) and not isinstance(n, bool) for n in nodes)):
+        raise _bad(e, "nodes", "a list of node ids")
+
+
+def _check_metric(m: Record) -> None:
+    """``ts`` and ``index`` (required), ``epoch``, ``world_size``, ``metrics`` (an object:
+    non-numeric or non-finite values in it are simply not plotted)."""
+    if m["ts"] is None or m["index"] is None:
+        raise _bad(m, "ts" if m["ts"] is None else "index", "a value")
+    _number(m, "ts", MAX_SECONDS)
+    for key in ("index", "epoch", "world_size"):
+        _int(m, key)
+    _typed(m, "metrics", (dict,), "an object")
+
+
+# ----------------------------------------------------------------------------- not a run
 
 def _not_a_run_message(storage, path: str) -> str:
     head = f"{path} is not a raylastic run directory: it has no {EVENTS_FILE}"

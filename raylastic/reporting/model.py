@@ -11,6 +11,7 @@ the on-demand baseline here, the bill by phase (``bill``), then the checkpoint s
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
@@ -70,9 +71,9 @@ def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[
         "lost": sum(r.lost_steps for r in walk.resizes),
     }
     series = Series(
-        loss=tuple((float(m["ts"]) - t0, int(m["index"]), float(m["metrics"][loss_key]), kept)
+        loss=tuple((float(m["ts"]) - t0, int(m["index"]), loss, kept)
                    for m, kept in zip(metrics, steps_info.kept)
-                   if isinstance((m.get("metrics") or {}).get(loss_key), (int, float))),
+                   if (loss := _finite((m.get("metrics") or {}).get(loss_key))) is not None),
         cost=_nodes.cost_series(nodes, cost.price_of, steps_info, cost.od_worker_usd_h, t0,
                                 sessions),
         loss_key=loss_key,
@@ -150,6 +151,18 @@ def _cost(nodes, prices: Optional[Prices], productive_worker_s: float,
         "on_demand_type": od, "source": prices.source}
     return _Cost(usage, prices_json, total, od, baseline, savings, od_worker,
                  {t: table[t] for t in usage if t in table} if total is not None else {})
+
+
+def _finite(v: Any) -> Optional[float]:
+    """``v`` as a finite float, else None: a metric is whatever the train function reported
+    (a NaN loss, an int too large for a float), and the plots need finite numbers."""
+    if not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def _sync_s(e: Mapping[str, Any]) -> Optional[float]:

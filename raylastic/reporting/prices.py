@@ -5,7 +5,7 @@ should say which node type it broke, not produce a wrong cost."""
 from __future__ import annotations
 
 import json
-import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence
 
@@ -47,16 +47,33 @@ def parse_prices(obj: Any, source: str) -> Prices:
     usd = {}
     for name, price in table.items():
         if isinstance(price, bool) or not isinstance(price, (int, float)) or not (
-                math.isfinite(price) and price >= 0):
-            raise ValueError(f"{source}: price for node type {name!r} is {price!r}; "
+                0 <= price <= sys.float_info.max):  # NaN, inf and ints beyond floats fail
+            raise ValueError(f"{source}: price for node type {name!r} is {shown_value(price)}; "
                              "use a finite number of USD per hour >= 0")
         usd[str(name)] = float(price)
-    markets = dict(obj.get("markets") or {}) if record else {}
+    markets = (obj.get("markets") or {}) if record else {}
+    if not isinstance(markets, Mapping):
+        raise ValueError(f"{source}: markets must be an object (node type -> 'spot' or 'on_demand')")
+    markets = {str(name): market for name, market in markets.items()}
     for name, market in markets.items():
-        if market not in ("spot", "on_demand"):
-            raise ValueError(f"{source}: market of {name!r} is {market!r}; use 'spot' or 'on_demand'")
+        if not isinstance(market, str) or market not in ("spot", "on_demand"):
+            raise ValueError(f"{source}: market of {name!r} is {shown_value(market)}; "
+                             "use 'spot' or 'on_demand'")
     od = obj.get("on_demand_type") if record else None
-    return Prices(usd, markets, od, str(obj.get("source") or source) if record else source)
+    if od is not None and not isinstance(od, str):
+        raise ValueError(f"{source}: on_demand_type is {shown_value(od)}; use a node type name")
+    recorded = obj.get("source") if record else None
+    return Prices(usd, markets, od, recorded if isinstance(recorded, str) and recorded else source)
+
+
+def shown_value(value: Any) -> str:
+    """A value read from a file, for an error message: its repr cut at 60 characters, and
+    never a RecursionError (a JSON value can nest deeper than repr() can go)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return "(a value nested too deep)"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def read_prices_arg(arg: str) -> Prices:
@@ -71,7 +88,7 @@ def read_prices_arg(arg: str) -> Prices:
                              f"({e.strerror or e})") from None
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError; too deep; too many digits
         raise ValueError(f"--prices ({source}) is not valid JSON: {e}") from None
     return parse_prices(obj, source)
 

@@ -7,6 +7,7 @@ another: the modules of this package form a chain, never a cycle.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
@@ -126,9 +127,22 @@ class RunReport:
     series: Series = field(repr=False, compare=False, default=Series((), ()))
 
     def to_json(self) -> Dict[str, Any]:
-        """A JSON-ready dict with the keys of :data:`JSON_KEYS`, in that order."""
+        """A JSON-ready dict with the keys of :data:`JSON_KEYS`, in that order. A number
+        that is not finite (a sum that overflowed, e.g. with an absurd --prices) becomes
+        None: JSON has no NaN or Infinity, and tools parsing --json must not see them."""
         d = asdict(self)
         d.pop("series")
         d["schema_version"] = SCHEMA_VERSION
         d["notes"] = list(self.notes)
-        return {k: d[k] for k in JSON_KEYS}
+        return {k: strict_json(d[k]) for k in JSON_KEYS}
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float (in dicts, lists, tuples) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value

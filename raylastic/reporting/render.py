@@ -3,6 +3,7 @@ tables, no colour, so it reads the same in a terminal, a CI log and an email).""
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence
 
 from raylastic.reporting.records import PhaseCost, RunReport
@@ -28,6 +29,8 @@ def _numeric(cell: object) -> bool:
 def fmt_s(seconds: Optional[float]) -> str:
     if seconds is None:
         return "-"
+    if not math.isfinite(seconds):  # an overflowed sum: say so, never crash on it
+        return str(seconds)
     if abs(seconds) < 120:
         return f"{seconds:.2f}" if abs(seconds) < 10 else f"{seconds:.1f}"
     m, s = divmod(int(round(seconds)), 60)

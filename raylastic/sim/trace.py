@@ -196,8 +196,17 @@ def _parse_row(fields, source: str, lineno: int) -> TraceEvent:
 
 
 def load_trace(path: Union[str, Path]) -> Trace:
+    """Parse the trace file at ``path``; bytes that are not UTF-8 are a TraceFormatError
+    naming the line (the file is data: any content is a named error, never a crash)."""
     path = Path(path)
-    return parse_trace(path.read_text(encoding="utf-8"), source=str(path))
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise TraceFormatError(str(path), line, f"not UTF-8 text (byte {e.start} is "
+                               f"{data[e.start:e.start + 1]!r})") from None
+    return parse_trace(text, source=str(path))
 
 
 def shipped_trace(name: str) -> Trace:

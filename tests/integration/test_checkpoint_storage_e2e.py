@@ -37,7 +37,8 @@ from raylastic import (
 from raylastic.checkpoint import storage as storage_mod
 from raylastic.checkpoint.manager import MANIFEST, CheckpointManager
 from raylastic.checkpoint.storage import RetryPolicy, Storage
-from raylastic.events import EVENTS_FILE, EventLog, read_jsonl
+from raylastic.events import EVENTS_FILE, EventLog
+from raylastic.events import read_log as read_event_log
 from raylastic.testing.ckpt_funcs import load_checkpoint, read_log, shard_name, sharded_checkpoints
 from raylastic.testing.cluster import LocalCluster, wait_until
 from raylastic.testing.faults import FitThread
@@ -149,7 +150,7 @@ def _trainer(cfg: dict, run_config: RunConfig, workers: int = 2) -> ElasticTrain
 
 
 def _events(storage: Storage, run: str) -> list[dict]:
-    return list(read_jsonl(storage.read_bytes(f"{run}/{EVENTS_FILE}").decode(), EVENTS_FILE))
+    return read_event_log(storage, run, EVENTS_FILE)  # every segment: each fit() writes its own
 
 
 def _kind(events: list[dict], kind: str) -> list[dict]:

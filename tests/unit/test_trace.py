@@ -118,3 +118,10 @@ def test_shipped_traces_parse_and_have_the_described_shape():
     assert long.capacity_at("spot", 90) == 1 and long.capacity_at("spot", 115) == 4
     with pytest.raises(ValueError, match=r"no shipped trace 'storm'"):
         shipped_trace("storm")
+
+
+def test_a_file_that_is_not_utf8_is_a_format_error_naming_the_line(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_bytes(f"{H}\n0,capacity,spot,4,\n".encode() + b"1,add,sp\xffot,1,\n")
+    with pytest.raises(TraceFormatError, match=r"t.csv:3: not UTF-8 text \(byte \d+ is b'\\xff'\)"):
+        load_trace(path)
