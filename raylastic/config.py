@@ -91,6 +91,11 @@ class ScalingConfig:
         if self.capacity is None:  # (with a policy each worker also reserves its node type's slot)
             check_reserves_something(self.worker_resources(), "ScalingConfig.resources_per_worker")
         else:
+            _check(self.max_wait_s is None,
+                   f"ScalingConfig.max_wait_s={self.max_wait_s} and a CapacityPolicy: with a capacity policy "
+                   "the wait for min_workers is bounded by CapacityPolicy.max_wait_s alone (one clock). "
+                   f"Fix: pass CapacityPolicy(max_wait_s={self.max_wait_s}, ...) and leave "
+                   "ScalingConfig.max_wait_s unset.")
             try:
                 self.capacity.validate_scaling(min_workers=self.min_workers, max_workers=self.max_workers)
             except ValueError as e:

@@ -89,3 +89,21 @@ def test_unlimited_failures_back_off_instead_of_spinning():
     assert "retrying in 60 s" in unlimited.decide(FailureKind.ERROR, FailureCounts(errors=50)).reason
     # node losses are not the code's fault: never delayed
     assert unlimited.decide(FailureKind.NODE_LOST, FailureCounts(node_losses=50)).delay_s == 0.0
+
+
+def test_from_configs_runs_one_wait_clock():
+    """With a CapacityPolicy its max_wait_s alone bounds the wait; a second bound in
+    ScalingConfig is refused instead of racing it."""
+    import pytest
+
+    from raylastic import ConfigError, ScalingConfig
+    from raylastic.policies import from_configs
+    from raylastic.policies.capacity import CapacityPolicy
+
+    plain, cap = from_configs(ScalingConfig(min_workers=2, max_workers=3, max_wait_s=45))
+    assert cap is None and plain.max_wait_s == 45
+    policy = CapacityPolicy(max_wait_s=600)
+    scaling, cap = from_configs(ScalingConfig(min_workers=2, max_workers=3, capacity=policy))
+    assert cap is policy and scaling.max_wait_s is None  # never gives up on its own clock
+    with pytest.raises(ConfigError, match="ScalingConfig.max_wait_s=45 and a CapacityPolicy"):
+        ScalingConfig(min_workers=2, max_workers=3, max_wait_s=45, capacity=policy)

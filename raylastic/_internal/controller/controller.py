@@ -49,6 +49,7 @@ from raylastic.errors import (
 from raylastic.events import EventKind, EventLog, LossCause
 from raylastic.policies.base import Noop, Raise, Resize, Wait
 from raylastic.policies.failure import FailureCounts, FailurePolicy
+from raylastic.policies import from_configs
 from raylastic.policies.scaling import ElasticScalingPolicy, ScalingSnapshot
 
 logger = logging.getLogger("raylastic")
@@ -86,8 +87,7 @@ class Controller(CapacitySteps, FailureSteps):
         self._stop_requested = threading.Event()
         self._events = EventLog(storage, run_rel, verbose=run.verbose)
         self._ckpt = CheckpointManager(storage, run_rel, run.checkpoint_config.num_to_keep, self._events)
-        self._scaling_policy = scaling_policy or ElasticScalingPolicy(
-            min_workers=scaling.min_workers, max_workers=scaling.max_workers, max_wait_s=scaling.max_wait_s)
+        self._scaling_policy = scaling_policy or from_configs(scaling)[0]  # one wait clock
         fc = run.failure_config
         self._failure_policy = failure_policy or FailurePolicy(fc.max_failures, fc.max_node_failures)
         self._counts = FailureCounts()
