@@ -3,16 +3,15 @@ run's ``ScalingConfig`` asks for, so that the controller and tests build them on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Any, Optional, Tuple
 
-if TYPE_CHECKING:  # config imports policies.capacity: keep this package import-light
-    from raylastic.config import ScalingConfig
-    from raylastic.policies.capacity import CapacityPolicy
-    from raylastic.policies.scaling import ElasticScalingPolicy
+from raylastic.policies.scaling import ElasticScalingPolicy
 
 
-def from_configs(scaling: "ScalingConfig") -> Tuple["ElasticScalingPolicy", Optional["CapacityPolicy"]]:
-    """The scaling policy and the capacity policy (or None) of ``scaling``, on one clock.
+def from_configs(scaling: Any) -> Tuple[ElasticScalingPolicy, Optional[Any]]:
+    """The scaling policy and the capacity policy (or None) of ``scaling`` (a
+    ``raylastic.ScalingConfig``; typed loosely because ``config`` imports this package),
+    on one clock.
 
     Both can give up when fewer than ``min_workers`` are placeable. With a capacity policy
     its ``max_wait_s`` is the only wait bound (it knows which market it is waiting for and
@@ -20,8 +19,6 @@ def from_configs(scaling: "ScalingConfig") -> Tuple["ElasticScalingPolicy", Opti
     two clocks can never disagree about when a run ends. ``ScalingConfig`` refuses a
     ``max_wait_s`` set in both places.
     """
-    from raylastic.policies.scaling import ElasticScalingPolicy
-
     cap = scaling.capacity
     policy = ElasticScalingPolicy(min_workers=scaling.min_workers, max_workers=scaling.max_workers,
                                   max_wait_s=scaling.max_wait_s if cap is None else None)
