@@ -100,7 +100,8 @@ def _clean(text: str) -> str:
 
 def _walk(doc: Any, prefix: str, rep: Report) -> None:
     """Flag placeholders and open CIDRs; bounded, as aliases can make a small file huge."""
-    budget, stack = MAX_VALUES, [(doc, prefix, ())]
+    budget = MAX_VALUES
+    stack: List[Tuple[Any, str, Tuple[int, ...]]] = [(doc, prefix, ())]
     while stack:
         node, path, ancestors = stack.pop()
         budget -= 1
@@ -246,7 +247,8 @@ def _kuberay(doc: Mapping[str, Any], rep: Report) -> Optional[Cluster]:
     if not version.startswith("2.60"):
         rep.warn(f"{where}.rayVersion", f"{version!r}: raylastic is tested with Ray 2.60", 'rayVersion: "2.60.0"')
     groups, pods = [], []
-    workers = spec.get("workerGroupSpecs") if isinstance(spec.get("workerGroupSpecs"), list) else []
+    raw_workers = spec.get("workerGroupSpecs")
+    workers: List[Any] = raw_workers if isinstance(raw_workers, list) else []
     specs = [(f"{where}.headGroupSpec", _m(spec.get("headGroupSpec")), True)] + [
         (f"{where}.workerGroupSpecs[{i}]", _m(g), False) for i, g in enumerate(workers)]
     for w, g, head in specs:

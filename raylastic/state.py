@@ -242,6 +242,7 @@ class ElasticState:
     # -- restore -------------------------------------------------------------------
     def _sharded_state(self, model, optimizer, engine, overlap: bool):
         """The sharded-state half (FSDP2 or DeepSpeed), or None for replicated models."""
+        adapter: _sharded_mod.ShardedAdapter
         if engine is not None:
             from raylastic._internal.sharded_deepspeed import DeepSpeedAdapter
             adapter = DeepSpeedAdapter(engine)

@@ -37,7 +37,7 @@ def _default_writer_factory(logdir: str, flush_secs: int):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         try:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import SummaryWriter  # type: ignore[no-redef]  # the fallback's class
         except ImportError:
             return None
     return SummaryWriter(log_dir=logdir, flush_secs=flush_secs)

@@ -77,7 +77,8 @@ Piece = Tuple[Chunk, torch.Tensor]
 class ShardedAdapter(Protocol):
     """What ``ElasticState`` needs from a sharding framework."""
 
-    model: Optional[torch.nn.Module]
+    @property
+    def model(self) -> Optional[torch.nn.Module]: ...  # the wrapped model (read only)
 
     def live_chunks(self) -> List[Piece]:
         """This rank's pieces as LIVE tensors (``tensor.shape == chunk.sizes``): the
@@ -356,6 +357,7 @@ class PeerExchange:
                 if t.numel():
                     works.append(dist.irecv(t, src=src, group=self._group, tag=base + j))
         for w in works:
+            assert w is not None  # None only for a rank outside the group
             w.wait()
 
 
@@ -407,6 +409,7 @@ def reshard_from_memory(group: Any, targets: Sequence[Piece], layout: Optional[M
                 problem = str(e)
     if problem is not None:
         raise ValueError(problem)
+    assert ref is not None  # else problem is set
     holder = {s: min(q for q, e in enumerate(everyone) if s in e["held"]) for s in old}
     wants = [[Chunk.of(t) for t in e["targets"]] for e in everyone]
     counts = [0] * len(targets)
@@ -434,6 +437,7 @@ def reshard_from_memory(group: Any, targets: Sequence[Piece], layout: Optional[M
                     works.append(dist.irecv(buf, src=h, group=group, tag=j))
                 received.append((c, buf))
         for w in works:
+            assert w is not None  # None only for a rank outside the group
             w.wait()
         _fill_targets(targets, received, counts)
     short = [(c.key, n, c.numel()) for (c, _t), n in zip(targets, counts) if n < c.numel()]

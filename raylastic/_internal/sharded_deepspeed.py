@@ -76,8 +76,9 @@ def _reset_zero3_ids() -> None:
     if defaults and isinstance(defaults[0], list) and defaults[0]:
         defaults[0][0] = 0
     params = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
-    if getattr(params, "Init", None) is not None:
-        params.Init.param_id = 0
+    init = getattr(params, "Init", None)
+    if init is not None:
+        init.param_id = 0
 
 
 def _is_zero3(opt: Any) -> bool:
@@ -95,7 +96,7 @@ class DeepSpeedAdapter:
     configuration the state depends on (stage, dtypes, optimizer class, parameters)."""
 
     def __init__(self, engine: Any):
-        opt = getattr(engine, "optimizer", None)
+        opt: Any = getattr(engine, "optimizer", None)
         stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
         if stage not in (1, 2, 3):
             raise ValueError(f"ElasticState(engine=...) needs a DeepSpeed engine with ZeRO stage 1, 2 or 3 "
@@ -207,7 +208,7 @@ class DeepSpeedAdapter:
         scalars: List[Dict[str, Any]] = []
         for flats in self._flats():
             # every flat partition of a group took the same steps: keep the first one's
-            st = next((self.optimizer.state[f] for f in flats if f in self.optimizer.state), {})
+            st: Dict[str, Any] = next((self.optimizer.state[f] for f in flats if f in self.optimizer.state), {})
             scalars.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                             for k, v in st.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)})
         eng = self.engine
@@ -260,8 +261,8 @@ class DeepSpeedAdapter:
                 g["params"] = params
                 if lr is not None:
                     g["lr"] = lr
-            for f, g in grads:
-                f.grad = g
+            for f, grad in grads:
+                f.grad = grad
 
     def restore_targets(self) -> List[Piece]:
         if _is_zero3(self.zero):
@@ -331,8 +332,8 @@ class DeepSpeedAdapter:
                 setattr(scaler, k, v)
         # the fp32 master weights -> the model's parameters (collective over the group)
         if _is_zero3(self.zero):
-            for g in range(len(self.zero.fp16_groups)):
-                self.zero._reassign_or_swap_out_partitioned_parameters(g)
+            for gi in range(len(self.zero.fp16_groups)):
+                self.zero._reassign_or_swap_out_partitioned_parameters(gi)
             self.zero.checkpoint_event_epilogue()  # re-gathers the persistent (small) parameters
         else:
             self.zero.update_lp_params()

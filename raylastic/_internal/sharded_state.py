@@ -89,7 +89,9 @@ class ShardedSnapshots:
         """Collective: fill the live state from in-memory snapshot ``snap`` (None on a
         rank holding none of it). Returns the snapshot's plain state. ValueError: it does
         not fit (the same on every rank)."""
-        layout, held, plain = None, {}, None
+        layout: Optional[Dict[int, List[Chunk]]] = None
+        held: Dict[int, List[torch.Tensor]] = {}
+        plain: Optional[Dict[str, Any]] = None
         if snap is not None:
             if ROOT not in snap.plain:
                 raise ValueError("the snapshot holds replicated (DDP) state; this model is sharded")
@@ -100,12 +102,13 @@ class ShardedSnapshots:
             plain = snap.plain
         targets = self.adapter.restore_targets()
         if self._group is None and not dist.is_initialized():
-            if not held or set(held) != set(layout or {}):
+            if not held or layout is None or set(held) != set(layout):
                 raise ValueError("this single process does not hold every shard of the snapshot")
             fill_from_files(targets, {s: {"chunks": [c.as_tuple() for c in layout[s]], "tensors": held[s]} for s in held})
         else:
             group = self._group if self._group is not None else dist.group.WORLD
             plain = reshard_from_memory(group, targets, layout, held, plain)
+        assert plain is not None  # held shards came with the snapshot's plain; reshard returns it
         self.adapter.finish_restore(plain[ROOT]["adapter"])
         return plain
 
@@ -157,8 +160,7 @@ class ShardedSnapshots:
         pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
         own_old = old_tree.get(self.rank) or [None] * len(live)
         own_old = own_old if len(own_old) == len(live) else [None] * len(live)
-        own = [plan_copy(d, t, lambda _t, c=c: self.overlap and not c.key.startswith("buffer/"), pending)
-               for (c, t), d in zip(live, own_old)]
+        own = [plan_copy(d, t, self._defer(c), pending) for (c, t), d in zip(live, own_old)]
         tree: Dict[int, List[torch.Tensor]] = {}
         for s in range(len(layout)):
             tree[s] = own if s == self.rank else [_meta(c) for c in layout[s]]
@@ -180,12 +182,18 @@ class ShardedSnapshots:
             if error is not None or not exchanging:
                 snap.done.set()
                 return
-            self._exchange.submit(lambda: self._exchange_job(snap, own, incoming, layout))
+            exchange = self._exchange
+            assert exchange is not None  # exchanging
+            exchange.submit(lambda: self._exchange_job(snap, own, incoming, layout))
 
         if not pending:
             return lambda: own_done(None)
         self._pending = PendingCopy(pending, own_done)
         return self._pending.start
+
+    def _defer(self, c: Chunk) -> Callable[[torch.Tensor], bool]:
+        """Whether ``c``'s copy may wait for the optimizer step hook (buffers never do)."""
+        return lambda _t: self.overlap and not c.key.startswith("buffer/")
 
     def _recv_buffers(self, layout: Dict[int, List[Chunk]], old_tree: Dict[int, Any]) -> Dict[int, List[torch.Tensor]]:
         out: Dict[int, List[torch.Tensor]] = {}
@@ -207,6 +215,7 @@ class ShardedSnapshots:
     def _exchange_job(self, snap: Any, own: List[torch.Tensor], incoming: Dict[int, List[torch.Tensor]],
                       layout: Dict[int, List[Chunk]]) -> None:
         try:
+            assert self._exchange is not None  # a job is submitted only while exchanging
             self._exchange.exchange(own, incoming, snap.index)
             starts, pos = {}, 0
             for s in range(len(layout)):

@@ -187,11 +187,12 @@ class StateCopier:
 
     def __init__(self, model: Optional[torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
                  overlap: bool = True):
+        self._model = model
         self._objs = {k: o for k, o in (("model", model), ("optimizer", optimizer)) if o is not None}
         self.overlap = bool(overlap and optimizer is not None)
         self._pending: Optional[PendingCopy] = None
         self.blocked_s = 0.0  # time the training thread spent in copy() and wait(), in total
-        if self.overlap:
+        if self.overlap and optimizer is not None:
             optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.wait())
 
     def wait(self) -> None:
@@ -214,7 +215,7 @@ class StateCopier:
         self.wait()
         t0 = time.perf_counter()
         old = old or {}
-        params = param_ptrs(self._objs.get("model")) if self.overlap else set()
+        params = param_ptrs(self._model) if self.overlap else set()
         defer = {  # what only optimizer.step() writes may be copied while the next step runs
             "model": lambda t: t.data_ptr() in params,  # parameters yes; buffers (BatchNorm) no
             "optimizer": lambda t: self.overlap,

@@ -91,7 +91,7 @@ def storable(value: Any, where: str, _path: Optional[Set[int]] = None) -> Any:
                          for k, v in value.items()]
                 if all(k2 is k and v2 is v for (k2, v2), (k, v) in zip(items, value.items())):
                     return value
-                out = t()
+                out: Any = t()  # dict, OrderedDict or Counter
                 for k, v in items:
                     out[k] = v
                 return out

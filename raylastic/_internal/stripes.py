@@ -108,7 +108,7 @@ def to_meta(tree: Any) -> Any:
 
 
 def assemble(index: int, tensors: Optional[Any], plain: Optional[Dict[str, Any]],
-             holding: Holding) -> Tuple[Any, Dict[str, Any]]:
+             holding: Optional[Holding]) -> Tuple[Any, Dict[str, Any]]:
     """Collective over the default process group: every rank ends with all tensors of
     snapshot ``index``. ``tensors``/``plain``: this rank's copy (None when it holds
     none); ``holding``: which shards it holds (``WHOLE`` for a full copy). Returns
@@ -129,7 +129,7 @@ def assemble(index: int, tensors: Optional[Any], plain: Optional[Dict[str, Any]]
         dist.barrier()  # no rank tears the group down while another still reads the gather
         raise RuntimeError(f"snapshot {index}: {problem}")
     ref = min(r for r, h in enumerate(holdings) if h is not HOLDS_NONE)
-    box = [{"plain": plain, "skeleton": to_meta(tensors)} if rank == ref else None]
+    box: List[Any] = [{"plain": plain, "skeleton": to_meta(tensors)} if rank == ref else None]
     dist.broadcast_object_list(box, src=ref)
     skeleton = box[0]["skeleton"]
     masks = [None if h is HOLDS_NONE else (keep_mask(skeleton, h) or [True] * len(leaves(skeleton)))
@@ -139,10 +139,13 @@ def assemble(index: int, tensors: Optional[Any], plain: Optional[Dict[str, Any]]
 
     def fill(j: int, meta: torch.Tensor) -> torch.Tensor:
         holders = [r for r, m in enumerate(masks) if m is not None and m[j]]
-        have = masks[rank] is not None and masks[rank][j]
-        if len(holders) == world:
-            return own[j]
-        return _broadcast(own[j] if have else None, meta, holders[0], device)
+        mine = masks[rank]
+        if mine is not None and mine[j]:
+            assert own is not None  # a rank that holds leaf j has its tensors
+            if len(holders) == world:
+                return own[j]
+            return _broadcast(own[j], meta, holders[0], device)
+        return _broadcast(None, meta, holders[0], device)
 
     full = map_leaves(skeleton, fill)
     return full, (plain if plain is not None else box[0]["plain"])

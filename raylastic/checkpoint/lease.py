@@ -169,9 +169,11 @@ class RunLease:
         while not self._stop.wait(period):
             try:
                 if not self.renew():
-                    logger.error("%s", self.lost)
+                    lost = self.lost
+                    assert lost is not None  # renew() sets it when it returns False
+                    logger.error("%s", lost)
                     if self._on_lost is not None:
-                        self._on_lost(self.lost)
+                        self._on_lost(lost)
                     return
             except Exception as e:  # noqa: BLE001 - a storage blip: try again next period
                 logger.warning("could not renew the lease on %s: %s", self._run, e)

@@ -125,8 +125,8 @@ class LiteralFSSpecHandler(pafs.FSSpecHandler):
         if not self.fs.exists(base):
             return None
         found = self.fs.find(base, withdirs=True, detail=False)
-        below = {self.fs._strip_protocol(p).rstrip("/") for p in found}
-        below = [p for p in below if relative_to(p, base) is not None]
+        stripped = {self.fs._strip_protocol(p).rstrip("/") for p in found}
+        below = [p for p in stripped if relative_to(p, base) is not None]
         return sorted(below, key=lambda p: (p.count("/"), p), reverse=True) + [base]
 
     def _remove_exact(self, paths: Iterable[str]) -> None:

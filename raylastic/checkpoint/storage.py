@@ -144,11 +144,12 @@ class Storage:
         try:
             exists = self._call("checking access to", "", probe)
             if not exists:
-                if not self.create_container:
+                create = self._backend.create_bucket  # every object-store backend has one
+                if not self.create_container or create is None:
                     raise PermanentStorageError(
                         f"{self.target} does not exist; create it first (or pass "
                         "create_container=True) - raylastic does not create buckets silently")
-                self._call("creating", "", self._backend.create_bucket)
+                self._call("creating", "", create)
         except BaseException:
             self._root_checked = False
             raise
@@ -205,7 +206,9 @@ class Storage:
             infos = self.fs.get_file_info(paths) if paths else []
             return [i.size if i.type == pafs.FileType.File else None for i in infos]
 
-        what = rels[0] if len(rels) <= 1 else f"{rels[0]} (+{len(rels) - 1} more)"
+        if not rels:
+            return []
+        what = rels[0] if len(rels) == 1 else f"{rels[0]} (+{len(rels) - 1} more)"
         return self._call("stat", what, stat)
 
     def list_dir(self, rel: str = "") -> list[str]:

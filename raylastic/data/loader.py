@@ -153,8 +153,13 @@ class ElasticDataLoader:
     def global_batch_size(self) -> int:
         """Samples per global step at the current world size."""
         if self._policy is BatchPolicy.FIXED:
-            return self._fixed_gbs
+            return self._fixed()
         return self._micro * self._world_size
+
+    def _fixed(self) -> int:
+        """The global batch under the fixed policy (check_batch_sizes sets it there)."""
+        assert self._fixed_gbs is not None
+        return self._fixed_gbs
 
     def lr_scale(self) -> float:
         """Factor for the base learning rate at the current world size.
@@ -170,7 +175,7 @@ class ElasticDataLoader:
     def __len__(self) -> int:
         """Global steps in the current epoch at the current world size (tail dropped)."""
         if self._policy is BatchPolicy.FIXED:
-            return self._dataset_len // self._fixed_gbs
+            return self._dataset_len // self._fixed()
         return self._step + (self._dataset_len - self._samples) // self.global_batch_size
 
     def set_epoch(self, epoch: int) -> None:
@@ -298,7 +303,7 @@ class ElasticDataLoader:
         """Every rank must get a sample and every epoch at least one step at ``world_size``."""
         n = self._dataset_len
         if self._policy is BatchPolicy.FIXED:
-            if self._fixed_gbs < world_size:
+            if self._fixed() < world_size:
                 raise ValueError(
                     f"global_batch_size ({self._fixed_gbs}) < {name} ({world_size}): some rank "
                     f"would get no sample; use global_batch_size >= {world_size}"

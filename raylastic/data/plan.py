@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+# An epoch's order: a ``range`` (not shuffled), an int64 tensor (shuffled), or any sequence.
+Order = Sequence[int] | torch.Tensor
+
 # Samples converted from the epoch order tensor to Python ints at a time (see iter_shards).
 _BLOCK_SAMPLES = 1 << 16
 
@@ -34,7 +37,7 @@ __all__ = [
 ]
 
 
-def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> Sequence[int]:
+def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> range | torch.Tensor:
     """The order in which epoch ``epoch`` visits ``range(n)``.
 
     Shuffled orders use ``torch.randperm`` with a ``torch.Generator`` seeded with
@@ -57,7 +60,7 @@ def steps_per_epoch(n: int, global_batch_size: int) -> int:
     return n // global_batch_size
 
 
-def window(order: Sequence[int], start: int, count: int) -> list[int]:
+def window(order: Order, start: int, count: int) -> list[int]:
     """``order[start:start + count]`` as a list of Python ints, for a tensor or a range."""
     part = order[start : start + count]
     return part.tolist() if isinstance(part, torch.Tensor) else list(part)
@@ -123,7 +126,7 @@ class EpochPlan:
     whatever earlier world sizes consumed. Steps are windows of ``global_batch_size`` from there.
     """
 
-    order: Sequence[int]
+    order: Order
     epoch: int
     start_step: int
     start_samples: int

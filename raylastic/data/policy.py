@@ -11,10 +11,13 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
 __all__ = ["BatchPolicy", "LRScaling", "apply_lr_scaling", "lr_scale_factor"]
+
+E = TypeVar("E", bound=enum.Enum)
 
 
 class BatchPolicy(str, enum.Enum):
@@ -35,7 +38,7 @@ class LRScaling(str, enum.Enum):
     SQRT = "sqrt"  # lr ~ sqrt(global batch) (common for Adam-type optimizers)
 
 
-def coerce_enum(enum_type: type[enum.Enum], name: str, value: object) -> enum.Enum:
+def coerce_enum(enum_type: type[E], name: str, value: object) -> E:
     """Accept an enum member or its string value; anything else is an error naming ``name``."""
     try:
         return enum_type(value)

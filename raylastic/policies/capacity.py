@@ -38,7 +38,7 @@ a ``Noop`` with its reason and ``numbers``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from raylastic._internal.validate import check_bool, check_instance, check_int, check_number, error
@@ -65,7 +65,7 @@ from raylastic.policies.node_types import (
     PriceTable,
     UnknownNodeTypeError,
 )
-from raylastic.policies.objective import Objective, OnDemandPlan, WorkProgress, cost_fill, deadline_need
+from raylastic.policies.objective import Objective, OnDemandPlan, cost_fill, deadline_need
 
 
 @dataclass(frozen=True, kw_only=True)

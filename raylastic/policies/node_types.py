@@ -168,6 +168,7 @@ def node_types_from_cluster_config(
     ``{"GPU": GPUs per slot}`` on GPU nodes and ``{"CPU": 1}`` otherwise.
     """
     data, source = _load_config(config)
+    explicit: Mapping[str, Any]
     if data.get("kind") in _KUBERAY_KINDS:
         entries, explicit = _kuberay_entries(data, source), {}
     else:

@@ -40,7 +40,7 @@ class TableEndpoint:
     """Where the rendezvous table lives: ``account_url`` (no table) plus ``table``."""
 
     account_url: str
-    account: Optional[str]
+    account: str
     table: str
 
     @property

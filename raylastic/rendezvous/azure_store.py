@@ -131,10 +131,13 @@ class AzureTableStore(dist.Store):
         self._ops.call("store set", lambda: self._ops.client.upsert_entity(entity, mode=UpdateMode.REPLACE))
 
     def get(self, key: Bytesish) -> bytes:
-        return self._poll([key], self.timeout)[key]
+        # Store.timeout: not in torch's .pyi
+        return self._poll([key], self.timeout)[key]  # type: ignore[attr-defined]
 
     def wait(self, keys, override_timeout: Optional[timedelta] = None) -> None:
-        self._poll(list(keys), self.timeout if override_timeout is None else override_timeout)
+        # Store.timeout: as in get()
+        timeout = self.timeout if override_timeout is None else override_timeout  # type: ignore[attr-defined]
+        self._poll(list(keys), timeout)
 
     def check(self, keys) -> bool:
         return all(self._read(key) is not None for key in keys)

@@ -17,11 +17,12 @@ skipped whole, with a line saying so). Credentials are found as for torchrun
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from collections import defaultdict
 from datetime import datetime, timedelta, timezone
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from raylastic.rendezvous._endpoint import parse_endpoint, resolve_credential
 from raylastic.rendezvous._table import TableOps, partition_key
@@ -76,11 +77,15 @@ def _partitions(ops: TableOps, pk: Optional[str] = None) -> dict:
     return {key: (rows[key], newest.get(key), run_ids.get(key, key)) for key in rows}
 
 
+def _submit(ops: TableOps, batch: list) -> Any:
+    return ops.client.submit_transaction(batch)
+
+
 def _delete_partition(ops: TableOps, pk: str, row_keys: list) -> None:
     # One transaction holds at most 100 operations on one partition.
     for i in range(0, len(row_keys), 100):
         batch = [("delete", {"PartitionKey": pk, "RowKey": rk}) for rk in row_keys[i : i + 100]]
-        ops.call("delete run", lambda b=batch: ops.client.submit_transaction(b))
+        ops.call("delete run", functools.partial(_submit, ops, batch))
 
 
 def cleanup(

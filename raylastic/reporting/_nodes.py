@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, DefaultDict, Dict, List, Optional, Sequence, Set, Tuple
 
 from raylastic.events import EventKind, LossCause
 from raylastic.reporting._steps import StepTimes
@@ -48,12 +48,17 @@ def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> 
     the log still shows held ends its interval there."""
     approximated = not any(kind_of(e) is EventKind.WORKER_READY for e in events) and any(
         kind_of(e) is EventKind.GROUP_FORMED and e.get("nodes") for e in events)
-    intervals, slots, markets, nodes_of = [], defaultdict(int), {}, defaultdict(set)
-    session_no, state = 0, {}
-    released, gone_after = [], {}  # node -> (node_type, ts of the release that ended it)
+    intervals: List[Tuple[str, float, float]] = []  # (node type, start ts, end ts)
+    slots: DefaultDict[str, int] = defaultdict(int)
+    markets: Dict[str, Optional[str]] = {}
+    nodes_of: DefaultDict[str, Set[str]] = defaultdict(set)
+    session_no = 0
+    state: Dict[str, Dict[str, Any]] = {}  # node -> its open interval
+    released: List[Tuple[str, float, float]] = []
+    gone_after: Dict[str, Tuple[str, float]] = {}  # node -> (node_type, ts of the release that ended it)
 
     def flush(session_end: float) -> None:
-        for node, st in state.items():
+        for st in state.values():
             end = session_end if st["held"] else (st["last_end"] or session_end)
             intervals.append((st["type"], st["start"], max(st["start"], end)))
         state.clear()
@@ -104,7 +109,8 @@ def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> 
                 st["held"].clear()
                 st["last_end"] = st["last_end"] if st["last_end"] else ts
     flush(sess[-1][1])
-    hours, count = defaultdict(float), {}
+    hours: DefaultDict[str, float] = defaultdict(float)
+    count: Dict[str, int] = {}
     for ntype, start, end in intervals + released:
         hours[ntype] += (end - start) / 3600.0
     for ntype, nodes in nodes_of.items():

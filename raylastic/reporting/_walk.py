@@ -27,7 +27,7 @@ SKEW_S = 2.0  # tolerated clock skew between rank 0 (metrics ts) and the control
 # graceful stop: part of a graceful resize, never a recovery.
 PLANNED_CAUSES = frozenset(c.value for c in LossCause if c.planned)
 
-_KINDS = {k.value: k for k in EventKind}
+_KINDS: Dict[Any, EventKind] = {k.value: k for k in EventKind}  # looked up with whatever a record holds
 
 
 def kind_of(e: Event) -> Optional[EventKind]:
@@ -138,7 +138,7 @@ class _Walker:
             kind = kind_of(e)
             if kind is EventKind.RUN_STARTED and i == 0:
                 continue  # the first session's start: nothing is open yet
-            handler = self.handlers.get(kind)
+            handler = self.handlers.get(kind) if kind is not None else None
             if handler is not None:
                 handler(e, float(e["ts"]))
         self.end_group(self.sess[-1][1], "end of log")
@@ -183,13 +183,15 @@ class _Walker:
         self.resizes.append(_OpenResize(e, ended.world_size if ended else None,
                                         self.last_report_ts(e.get("reached_index"), ts)))
         graceful = bool(e.get("graceful"))
+        cause = "resize"
         if not graceful or self.recovery is not None:
             rec = self.open_recovery(e, "resize")
+            cause = cause if graceful else rec.cause
             rec.steps_lost += int(e.get("lost_steps") or 0)
             rec.restore_index = e.get("restore_index")
             if rec.reached_index is None:
                 rec.reached_index = e.get("reached_index")
-        self.end_group(ts, "resize" if graceful else self.recovery.cause)
+        self.end_group(ts, cause)
 
     def on_group_formed(self, e: Event, ts: float) -> None:
         self.end_group(ts, "regrouped")

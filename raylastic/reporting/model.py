@@ -25,8 +25,8 @@ from raylastic.reporting.records import NodeTypeUsage, RunReport, Series
 
 # The run's status from its last session boundary: a run_started after the last
 # run_finished/run_failed means a resumed run that has not ended (yet).
-_SESSION_ENDS = {EventKind.RUN_FINISHED: "finished", EventKind.RUN_FAILED: "failed",
-                 EventKind.RUN_STARTED: "incomplete"}
+_SESSION_ENDS: Dict[Optional[EventKind], str] = {
+    EventKind.RUN_FINISHED: "finished", EventKind.RUN_FAILED: "failed", EventKind.RUN_STARTED: "incomplete"}
 
 
 def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[str, Any]],
@@ -56,12 +56,16 @@ def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[
                      "group_formed / first_step / worker_lost / resize")
     last_finish = next((e for e in reversed(events) if kind_of(e) in _SESSION_ENDS), None)
     status = _SESSION_ENDS.get(kind_of(last_finish) if last_finish else None, "incomplete")
-    error = str(last_finish.get("message") or last_finish.get("error")) if status == "failed" else None
+    error = (
+        str(last_finish.get("message") or last_finish.get("error"))
+        if status == "failed" and last_finish is not None
+        else None
+    )
     if status == "incomplete":
         notes.append("the run has no run_finished/run_failed event: it is still running or "
                      "crashed; numbers cover up to its last event")
     final_index = max((m["index"] for m, kept in zip(metrics, steps_info.kept) if kept), default=None)
-    if status == "finished" and last_finish.get("index") is not None:
+    if status == "finished" and last_finish is not None and last_finish.get("index") is not None:
         final_index = last_finish["index"]
     steps = {
         "final_index": final_index,
@@ -126,7 +130,8 @@ def _cost(nodes, prices: Optional[Prices], productive_worker_s: float,
         notes.append(f"no hourly price for node type(s) {missing} used by this run (prices from "
                      f"{prices.source or '?'} cover {sorted(table)}): cost is unknown; pass "
                      f"--prices '{{\"{missing[0]}\": <USD per hour>}}'")
-    total = sum(u.cost_usd for u in usage.values()) if usage and not missing and prices else None
+    costs = [u.cost_usd for u in usage.values() if u.cost_usd is not None]  # every type's, when none is missing
+    total: Optional[float] = sum(costs) if usage and not missing and prices else None
     if prices is not None and not usage:
         total = 0.0
     od = od_override or (prices.on_demand_type if prices else None)
@@ -170,7 +175,7 @@ def _sync_s(e: Mapping[str, Any]) -> Optional[float]:
     locally plus waiting for the previous upload (``stage_s + wait_s``), or ``sync_s``."""
     if isinstance(e.get("sync_s"), (int, float)):
         return float(e["sync_s"])
-    parts = [e.get(k) for k in ("stage_s", "wait_s") if isinstance(e.get(k), (int, float))]
+    parts: List[float] = [e[k] for k in ("stage_s", "wait_s") if isinstance(e.get(k), (int, float))]
     return float(sum(parts)) if parts else None
 
 

@@ -13,7 +13,7 @@ _BILL_COLUMNS = (("training", "training"), ("waiting", "waiting"), ("recovering"
                  ("released", "released-but-billed"))
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> List[str]:
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "  ") -> List[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
     line = lambda cells: indent + "  ".join(  # noqa: E731
         str(c).ljust(w) if i == len(widths) - 1 else str(c).rjust(w) if _numeric(c) else str(c).ljust(w)
@@ -80,6 +80,7 @@ def render_text(r: RunReport, *, max_rows: int = 40) -> str:
     out += _limited(_table(["from", "to", "epoch", "world", "restored", "ended by"], seg_rows), max_rows) \
         if seg_rows else ["  (no group was ever formed)"]
     out += ["", f"Recoveries (failures / preemptions): {len(r.recoveries)}"]
+    rows: List[Sequence[object]]
     if r.recoveries:
         rows = [(fmt_s(x.at_s), x.cause, ",".join(n[-8:] for n in x.nodes) or "-", fmt_s(x.detection_s),
                  fmt_s(x.recovery_s) if x.recovery_s is not None else "not recovered", x.steps_lost,

@@ -29,6 +29,7 @@ How it fits together (docs/simulator.md has the measured timings):
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
@@ -107,8 +108,8 @@ class SpotCloud:
         self._kill: List[Tuple[str, bool]] = []  # (node id, graceful), in order
         self._events: List[Dict[str, Any]] = []
         self._dir: Optional[Path] = None
-        self._cluster = None
-        self._gcs = None
+        self._cluster: Any = None  # ray.cluster_utils.Cluster once started
+        self._gcs: Any = None  # ray._raylet.GcsClient once started
         self._scheduler: Optional[Scheduler] = None
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -142,7 +143,8 @@ class SpotCloud:
                     "object_store_memory": NODE_OBJECT_STORE_BYTES,
                     "env_vars": {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": _prov.HEAD_NODE_ID},
                 })
-            self._gcs = ray._raylet.GcsClient(address=self.address)
+            # GcsClient: not in Ray's partial _raylet.pyi
+            self._gcs = ray._raylet.GcsClient(address=self.address)  # type: ignore[attr-defined]
             if self._connect_driver:
                 ray.init(address=self.address)
                 # request_resources() reads a per-process cache of "is this cluster on
@@ -170,7 +172,7 @@ class SpotCloud:
             self._write_control(shutdown=True)
             try:
                 wait_for(lambda: any(e["event"] == "provider_shutdown"
-                                     for e in _prov.read_events(self._dir)),
+                                     for e in _prov.read_events(self._state_dir())),
                          _PROVIDER_SHUTDOWN_WAIT_S, "the provider to stop its nodes")
             except TimeoutError:
                 logger.warning("spot cloud: the provider did not confirm its shutdown; "
@@ -243,7 +245,7 @@ class SpotCloud:
         the events."""
         with self._lock:
             own = [dict(e) for e in self._events]
-        theirs = _prov.read_events(self._dir) if self._dir is not None else []
+        theirs = _prov.read_events(self._state_dir()) if self._dir is not None else []
         notice = {e["node_id"]: e["notice_s"] for e in own if e["event"] == "notice"}
         for e in theirs:
             if e["event"] == "preempted":
@@ -268,11 +270,11 @@ class SpotCloud:
         """Wait until every scheduled trace event and kill has run: each preempted node
         has its ``preempted`` record and is dead."""
         def done() -> bool:
-            if not self._scheduler.idle():
+            if not self._sched().idle():
                 return False
             with self._lock:
                 killed = {n for n, _ in self._kill}
-            recorded = {e["node_id"] for e in _prov.read_events(self._dir)
+            recorded = {e["node_id"] for e in _prov.read_events(self._state_dir())
                         if e["event"] == "preempted"}
             return killed <= recorded and not killed & set(self.alive_nodes())
 
@@ -295,7 +297,7 @@ class SpotCloud:
                      detail={"source": trace.source, "stretch": stretch,
                              "time_scale": self.time_scale.to_record() if self.time_scale else None})
         for e in trace.events:
-            scheduler.call_at(t0 + e.time_s * stretch, lambda e=e: self._apply(e, stretch))
+            scheduler.call_at(t0 + e.time_s * stretch, functools.partial(self._apply, e, stretch))
         scheduler.call_at(t0 + trace.duration_s * stretch,
                           lambda: self._record("trace_end", None, None,
                                                detail={"source": trace.source}))
@@ -349,6 +351,7 @@ class SpotCloud:
             with self._lock:
                 self.set_capacity(e.node_type, max(0, (self._caps[e.node_type] or 0) + e.count))
         else:
+            assert e.notice_s is not None  # the trace parser requires it for preempt
             self.preempt(e.node_type, e.count, e.notice_s * stretch)
 
     def _preemptible(self, node_type: str) -> List[str]:
@@ -362,7 +365,7 @@ class SpotCloud:
             return [n for n in alive if n in up and n not in self._noticed]
 
     def _started_ids(self) -> set:
-        return {e["node_id"] for e in _prov.read_events(self._dir) if e["event"] == "node_up"}
+        return {e["node_id"] for e in _prov.read_events(self._state_dir()) if e["event"] == "node_up"}
 
     def _notice(self, node_type: str, node_id: str, notice_s: float) -> None:
         from ray.core.generated import autoscaler_pb2
@@ -381,7 +384,7 @@ class SpotCloud:
         self._record("notice", node_type, node_id, notice_s=notice_s,
                      detail={"drained": accepted, "rejection": rejection or None})
         graceful = notice_s > 0
-        self._scheduler.call_at(deadline, lambda: self._order_kill(node_id, graceful))
+        self._sched().call_at(deadline, lambda: self._order_kill(node_id, graceful))
 
     def _order_kill(self, node_id: str, graceful: bool) -> None:
         with self._lock:
@@ -390,8 +393,8 @@ class SpotCloud:
 
     def _write_control(self, shutdown: bool = False) -> None:
         with self._lock:
-            _prov.write_control(self._dir, {"caps": self._caps, "noticed": self._noticed,
-                                            "kill": self._kill, "shutdown": shutdown})
+            _prov.write_control(self._state_dir(), {"caps": self._caps, "noticed": self._noticed,
+                                                    "kill": self._kill, "shutdown": shutdown})
 
     def _record(self, event: str, node_type: Optional[str], node_id: Optional[str],
                 notice_s: Optional[float] = None, detail: Any = None) -> None:
@@ -405,7 +408,7 @@ class SpotCloud:
         """Last resort if the provider could not stop its nodes: SIGKILL the raylets this
         cloud started (their workers exit when their raylet is gone). A pid is killed only
         while its command line still names this session (pids get reused)."""
-        for e in _prov.read_events(self._dir):
+        for e in _prov.read_events(self._state_dir()):
             if e["event"] != "node_up":
                 continue
             for pid in (e.get("detail") or {}).get("pids", []):
@@ -416,7 +419,17 @@ class SpotCloud:
                 except (OSError, ProcessLookupError):
                     pass
 
-    def _started(self):
+    def _state_dir(self) -> Path:
+        if self._dir is None:
+            raise RuntimeError("SpotCloud is not started; use `with SpotCloud() as cloud:`")
+        return self._dir
+
+    def _sched(self) -> Scheduler:
+        if self._scheduler is None:
+            raise RuntimeError("SpotCloud is not started; use `with SpotCloud() as cloud:`")
+        return self._scheduler
+
+    def _started(self) -> Any:
         if self._cluster is None:
             raise RuntimeError("SpotCloud is not started; use `with SpotCloud() as cloud:`")
         return self._cluster

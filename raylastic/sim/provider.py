@@ -153,7 +153,8 @@ class SpotSimProvider(FakeMultiNodeProvider):
                     TAG_RAY_NODE_NAME: node_id}
         all_tags.update(tags)
         all_tags[TAG_RAY_NODE_STATUS] = STATUS_UNINITIALIZED
-        self._nodes[node_id] = {"tags": all_tags, "node": None}
+        # Ray's FakeMultiNodeProvider._nodes is inferred from its head entry (tags only)
+        self._nodes[node_id] = {"tags": all_tags, "node": None}  # type: ignore[dict-item]
         delay = self._delays.get(node_type, 0.0)
         self._record("launch", node_type, node_id, detail={"launch_delay_s": delay})
         threading.Thread(target=self._start_after, name=f"spot-sim-launch-{node_id[-5:]}",

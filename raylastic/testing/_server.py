@@ -90,14 +90,16 @@ class ServerProcess:
         with the log's tail in the error)."""
         deadline = time.monotonic() + self.startup_timeout_s
         last: Optional[Exception] = None
-        while time.monotonic() < deadline and self._proc.poll() is None:
+        proc = self._proc
+        assert proc is not None  # started by _spawn
+        while time.monotonic() < deadline and proc.poll() is None:
             try:
                 self._probe()
                 return
             except Exception as exc:  # noqa: BLE001 - not up yet; retry until the deadline
                 last = exc
                 time.sleep(self.probe_interval_s)
-        rc = self._proc.poll()
+        rc = proc.poll()
         self.stop()
         why = f"exited with code {rc}" if rc is not None else (
             f"not writable after {self.startup_timeout_s:.0f}s (last error: {last})")

@@ -126,16 +126,18 @@ class Azurite(ServerProcess):
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         ports = (self.blob_port, self.table_port, self.queue_port)
+        proc = self._proc
+        assert proc is not None  # started by _spawn
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
+            if proc.poll() is not None:
                 break
             if all(_port_open(self.host, p) for p in ports):
                 time.sleep(0.05)  # a port grabbed by someone else makes azurite exit at once
-                if self._proc.poll() is None:
+                if proc.poll() is None:
                     return
                 break
             time.sleep(0.05)
-        rc = self._proc.poll()
+        rc = proc.poll()
         self.stop()
         why = f"exited with code {rc}" if rc is not None else f"not ready after {self.startup_timeout_s:.0f}s"
         raise RuntimeError(

@@ -46,7 +46,7 @@ import random
 import signal
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 __all__ = ["FaultKind", "Fault", "ChaosSchedule", "ChaosInjector", "GroupView", "NODE_LOSS_KINDS",
            "raylastic_upload_probe"]
@@ -118,7 +118,7 @@ class ChaosSchedule:
         if not kinds:
             raise ValueError("kinds must name at least one FaultKind")
         rng = random.Random(seed)
-        up, t, out, bag = nodes, (first_at_s if first_at_s is not None else rng.uniform(lo, hi)), [], []
+        up, t, out, bag = nodes, (first_at_s if first_at_s is not None else rng.uniform(lo, hi)), [], list[FaultKind]()
         for i in range(num_faults):
             remaining = num_faults - i
             if nodes - up >= remaining:  # the rest must bring the cluster back
@@ -411,7 +411,7 @@ class ChaosInjector:
         group = self._group(2 if kind is FaultKind.KILL_TWO_NODES else 1)
         rec.world = len(group)
         if kind is FaultKind.KILL_DURING_UPLOAD:
-            every = int(self.checkpoint_every)
+            every = int(cast(int, self.checkpoint_every))  # set: __init__ checks it for kill_during_upload
             target = (self.view.last_step() // every + 1) * every
             from raylastic.testing.cluster import wait_until
 
@@ -437,7 +437,7 @@ class ChaosInjector:
             except ProcessLookupError:  # the group failed between the check and now
                 rec.note = "the process was already gone"
         elif kind is FaultKind.DRAIN_NODE:
-            from ray._raylet import GcsClient
+            from ray._raylet import GcsClient  # type: ignore[attr-defined]  # not in Ray's partial _raylet.pyi
             from ray.core.generated import autoscaler_pb2
 
             deadline = time.time() + float(fault.deadline_s or 5.0)

@@ -47,7 +47,7 @@ import os
 import tempfile
 import time
 import uuid
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -107,7 +107,7 @@ def _simulated_compute(config: Dict[str, Any], local_samples: int) -> None:
         time.sleep(t)
 
 
-def _stop_requested(path: str, world: int) -> bool:
+def _stop_requested(path: Optional[str], world: int) -> bool:
     flag = torch.tensor([1.0 if path and os.path.exists(path) else 0.0])
     if world > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

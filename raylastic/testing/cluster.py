@@ -61,8 +61,8 @@ class LocalCluster:
 
     def add_node(self, wait: bool = True, **kwargs: Any):
         assert self.cluster is not None, "start() the cluster first"
-        args = {"num_cpus": self._cpus, "resources": dict(self._resources),
-                "object_store_memory": self._osm}
+        args: Dict[str, Any] = {"num_cpus": self._cpus, "resources": dict(self._resources),
+                                "object_store_memory": self._osm}
         args.update(kwargs)
         node = self.cluster.add_node(**args)
         self.worker_nodes.append(node)

@@ -159,7 +159,7 @@ def fsdp2_bench(config: Dict[str, Any]) -> None:
 
             with ckpt.as_directory() as d:
                 msd, osd = get_state_dict(model, opt)
-                sd = {"model": msd, "optim": osd}
+                sd: Dict[str, Any] = {"model": msd, "optim": osd}
                 dcp.load(sd, checkpoint_id=d)
                 set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
                 with open(os.path.join(d, "step.json")) as fh:

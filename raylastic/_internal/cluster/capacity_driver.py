@@ -26,6 +26,7 @@ from raylastic.policies.capacity import (
     CapacityPolicy, CapacitySnapshot, CapacityState, DeadlineUnreachable, GiveUp, MigrateToSpot, ReleaseOnDemand,
     RequestCapacity,
 )
+from raylastic.policies.capacity_decisions import CapacityPhase
 from raylastic.policies.objective import WorkProgress
 from raylastic.policies.node_types import Market
 
@@ -46,7 +47,7 @@ class CapacityDriver:
         self._state = CapacityState()
         self.requested: Dict[str, int] = {}
         self._last_tick = 0.0
-        self.phase = None
+        self.phase: Optional[CapacityPhase] = None
         self._total_steps = total_steps
         self._fit_ts = fit_ts if fit_ts is not None else time.time()
         self._rates: Dict[int, float] = {}  # steps/s by world size
@@ -156,9 +157,10 @@ class CapacityDriver:
             if not warmup:
                 rate = (index - i0) / (now - t0)
                 old, n = self._windows.get(world, (None, 0))
-                self._windows[world] = (rate if old is None else 0.5 * old + 0.5 * rate, n + 1)
+                smoothed = rate if old is None else 0.5 * old + 0.5 * rate
+                self._windows[world] = (smoothed, n + 1)
                 if n + 1 >= 2:
-                    self._rates[world] = self._windows[world][0]
+                    self._rates[world] = smoothed
             self._mark = (world, now, index, False)
 
     def _watch_nodes(self, now: float) -> None:
@@ -192,7 +194,8 @@ class CapacityDriver:
 
     def _request(self, counts: Dict[str, int], members: List) -> None:
         try:
-            request_resources(**self.policy.request_args(counts))
+            args = self.policy.request_args(counts)
+            request_resources(bundles=args["bundles"], bundle_label_selectors=args["bundle_label_selectors"])
         except Exception as e:  # noqa: BLE001 - no autoscaler (a static cluster): pools still work
             logger.info("request_resources failed (%s); relying on pending actors", e)
         self.requested = dict(counts)

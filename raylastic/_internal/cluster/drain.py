@@ -71,7 +71,8 @@ def drain_local_node(reason: str, deadline_ts: Optional[float]) -> DrainResult:
         current = None
     if current and (deadline_ms == 0 or current <= deadline_ms):
         return DrainResult(node_id, True, current, "already draining with an earlier deadline")
-    gcs = ray._raylet.GcsClient(address=ctx.gcs_address)
+    # GcsClient: not in Ray's partial _raylet.pyi
+    gcs = ray._raylet.GcsClient(address=ctx.gcs_address)  # type: ignore[attr-defined]
     accepted, rejection = gcs.drain_node(
         node_id, autoscaler_pb2.DrainNodeReason.Value(DRAIN_REASON), reason, deadline_ms)
     if not accepted:

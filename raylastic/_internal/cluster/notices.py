@@ -25,7 +25,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from raylastic._internal.cluster.metadata_http import (  # noqa: F401 - part of this module's API
     REQUEST_TIMEOUT_S, HttpResponse, HttpSession, MetadataError, _unexpected,
@@ -69,7 +69,7 @@ class NoticeSource(abc.ABC):
     def check(self, session: HttpSession) -> Optional[PreemptionNotice]:
         """One request: a notice, ``None``, or :class:`MetadataError`."""
 
-    def acknowledge(self, session: HttpSession, notice: PreemptionNotice) -> None:
+    def acknowledge(self, session: HttpSession, notice: PreemptionNotice) -> None:  # noqa: B027 - an optional hook
         """Tell the cloud the notice was handled (Azure only, when enabled)."""
 
     def __repr__(self) -> str:
@@ -387,7 +387,7 @@ def sources_from_env(environ: Optional[Mapping[str, str]] = None) -> Tuple[Notic
     if unknown:
         raise ValueError(f"{SOURCES_ENV}={raw!r}: unknown source(s) {', '.join(unknown)}; use a "
                          "comma-separated subset of aws,azure,gcp, or none")
-    sources = []
+    sources: List[NoticeSource] = []
     for name in dict.fromkeys(names):
         if name == "aws":
             sources.append(AWSSpotSource(

@@ -6,18 +6,42 @@ carry out a migration to spot or giving up. Part of ``Controller`` (a mixin, so 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from raylastic._internal.controller.states import Errored, Resizing, Running, State
 from raylastic._internal.worker_group.pool import spares_holding_needed_state
 from raylastic.policies.capacity import DeadlineUnreachable, GiveUp, MigrateToSpot
 from raylastic.policies.node_types import Market
 
+if TYPE_CHECKING:
+    from raylastic._internal.cluster.capacity_driver import CapacityDriver
+    from raylastic._internal.controller.ingest import ReportIngest
+    from raylastic._internal.worker_group.group import WorkerGroup
+    from raylastic._internal.worker_group.pool import WorkerHandle
+    from raylastic._internal.worker_group.results import PollResult
+    from raylastic.checkpoint.manager import CheckpointManager
+
 
 class CapacitySteps:
     """Mixed into ``Controller``; not used on its own."""
 
+    # The controller's collaborators and methods this mixin uses (set by Controller).
+    _state: State
+    _ckpt: CheckpointManager
+    _group: WorkerGroup
+    _capacity: Optional[CapacityDriver]
+    _ingest: ReportIngest
+    _last_committed_seen: Optional[int]
+
+    if TYPE_CHECKING:
+
+        def _abort_all(self, reason: str) -> None: ...
+        def _stop_members(self, members: List[WorkerHandle], graceful: bool) -> Dict[int, PollResult]: ...
+        def _set_state(self, new: State, check: bool = True) -> None: ...
+
     def _capacity_step(self) -> None:
         """Run the capacity policy; carry out a migration or giving up."""
+        assert self._capacity is not None  # the controller runs this step only with a capacity policy
         st = self._state
         members = list(getattr(st, "members", []))
         latest = self._ckpt.latest()
@@ -49,6 +73,7 @@ class CapacitySteps:
 
     def _migrate(self, st: Running, migration: MigrateToSpot) -> State:
         """Swap on-demand members for ready spot workers at this boundary."""
+        assert self._capacity is not None  # a migration comes from the capacity policy
         od = {t.name for t in self._capacity.policy.node_types if t.market is Market.ON_DEMAND}
         on_demand = [m for m in st.members if m.node_type in od]
         leaving = sorted(on_demand, key=lambda m: -m.prev_rank)[:migration.workers]

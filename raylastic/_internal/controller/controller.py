@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, cast
 
 from raylastic._internal.cluster.capacity_driver import CapacityDriver
 from raylastic._internal.controller.capacity_steps import CapacitySteps
@@ -101,7 +101,8 @@ class Controller(CapacitySteps, FailureSteps):
         self._ingest = ReportIngest(self._ckpt, self._events, self._tb)
         self._memory = MemoryRestore(self._group, self._ckpt, self._events)
         self._capacity = None if scaling.capacity is None else CapacityDriver(
-            scaling.capacity, min_workers=scaling.min_workers, max_workers=scaling.max_workers,
+            scaling.capacity, min_workers=scaling.min_workers,
+            max_workers=cast(int, scaling.max_workers),  # set (never None) by ScalingConfig.__post_init__
             pool=self._group.pool, events=self._events, total_steps=run.total_steps, fit_ts=fit_ts)
         self._epoch = epoch_floor  # a resumed run continues its epoch numbering (never reuses a name)
         self._restarts = 0
@@ -177,7 +178,7 @@ class Controller(CapacitySteps, FailureSteps):
                 return
         for h in self._group.refresh():
             self._events.emit(EventKind.WORKER_READY, wid=h.wid, node_id=h.node_id,
-                              node_type=h.info.get("node_type"), market=h.info.get("market"))
+                              node_type=(h.info or {}).get("node_type"), market=(h.info or {}).get("market"))
         self._group.fill()
         self._set_state(self._step(self._state))
 
@@ -250,7 +251,7 @@ class Controller(CapacitySteps, FailureSteps):
             + (f", resuming from in-memory snapshot {restore.index}" if restore.memory_index is not None
                else f", resuming from checkpoint {latest.index}" if latest else ", fresh start"),
             epoch=epoch, world_size=world, previous_world_size=prev,
-            nodes=[m.node_id for m in members], pids=[m.info.get("pid") for m in members],
+            nodes=[m.node_id for m in members], pids=[(m.info or {}).get("pid") for m in members],
             restore_index=restore.index, restore_path=restore.checkpoint_rel,
             stripes=[list(s) for s in formed.stripes] if formed.stripes else None,
         )

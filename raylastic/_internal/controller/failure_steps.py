@@ -5,8 +5,9 @@ in-memory snapshot did not fit. Part of ``Controller`` (a mixin, so that
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 from raylastic._internal.controller.states import Errored, Resizing, Running, State
 from raylastic._internal.worker_group.group import PollBatch
@@ -15,15 +16,34 @@ from raylastic._internal.worker_group.results import cause_text
 from raylastic.errors import RankFailure, TrainingAborted, TrainingFailedError
 from raylastic.events import EventKind, LossCause
 from raylastic.policies.base import Raise
-from raylastic.policies.failure import FailureCounts, FailureKind
+from raylastic.policies.failure import FailureCounts, FailureKind, FailurePolicy
+
+if TYPE_CHECKING:
+    from raylastic._internal.controller.memory_restore import MemoryRestore
+    from raylastic._internal.worker_group.group import WorkerGroup
+    from raylastic._internal.worker_group.results import PollResult
+    from raylastic.events import EventLog
 
 
 class FailureSteps:
     """Mixed into ``Controller``; not used on its own."""
 
+    # The controller's collaborators and methods this mixin uses (set by Controller).
+    _memory: MemoryRestore
+    _group: WorkerGroup
+    _events: EventLog
+    _failure_policy: FailurePolicy
+    _counts: FailureCounts
+    _stop_requested: threading.Event
+
+    if TYPE_CHECKING:
+
+        def _stop_members(self, members: List[WorkerHandle], graceful: bool) -> Dict[int, PollResult]: ...
+
     def _memory_snapshot_unusable(self, st: Running, failures: List[RankFailure]) -> State:
         """The in-memory snapshot does not fit the train function's objects: say so, and
         restart the same members from the last committed checkpoint (not a failure)."""
+        assert st.memory_index is not None  # only for a group restored from memory
         self._memory.mark_unusable(st.memory_index, st.epoch, failures[0].message.split(": ", 1)[-1].splitlines()[0])
         return Resizing(epoch=st.epoch, members=st.members, reason="in-memory snapshot unusable",
                         graceful=False, started_at=time.monotonic(), progress=st.progress)
@@ -35,9 +55,9 @@ class FailureSteps:
         attempt count as a real failure."""
         node_lost = [m for m in batch.lost if not self._group.is_crash(m, batch.causes.get(m.wid))]
         for m in batch.lost:
-            kind = LossCause.NODE_LOST if m in node_lost else LossCause.CRASH
-            failures.append(RankFailure(m.prev_rank, st.epoch, kind.value, cause_text(batch.causes.get(m.wid))))
-            self._worker_lost(m, kind, f"worker rank {m.prev_rank} on node {m.node_id[-8:]} lost ({kind.value})",
+            cause = LossCause.NODE_LOST if m in node_lost else LossCause.CRASH
+            failures.append(RankFailure(m.prev_rank, st.epoch, cause.value, cause_text(batch.causes.get(m.wid))))
+            self._worker_lost(m, cause, f"worker rank {m.prev_rank} on node {m.node_id[-8:]} lost ({cause.value})",
                               epoch=st.epoch, last_index=st.progress.last_index.get(m.wid, 0))
         kind = FailureKind.NODE_LOST if node_lost else FailureKind.ERROR
         decision = self._failure_policy.decide(kind, self._counts)

@@ -116,4 +116,5 @@ class GracefulStop:
         errors = rank_errors(st.members, batch.results, st.epoch)
         if errors:
             return Failed(PollBatch(), errors)
+        assert self.target is not None  # settled only after _begin chose the stop index
         return Stopped(self.target)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
@@ -81,7 +81,8 @@ class WorkerGroup:
     def for_run(cls, scaling: ScalingConfig, run: RunConfig, storage, run_rel: str, run_name: str) -> "WorkerGroup":
         """The group a run's configs describe: ``max_workers`` actors kept alive or pending."""
         return cls(WorkerPool(
-            target=scaling.max_workers, resources=scaling.worker_resources(),
+            target=cast(int, scaling.max_workers),  # set (never None) by ScalingConfig.__post_init__
+            resources=scaling.worker_resources(),
             use_gpu=scaling.use_gpu, storage=storage, run_rel=run_rel, run_name=run_name,
             async_upload=run.checkpoint_config.async_upload,
             persist_every=run.checkpoint_config.persist_every,
@@ -344,8 +345,8 @@ class WorkerGroup:
 
     def time_to_deadline(self, leaving: Sequence[WorkerHandle]) -> float:
         """Seconds until the earliest drain deadline of ``leaving`` (inf if none)."""
-        deadlines = [self.draining.get(m.node_id) for m in leaving]
-        deadlines = [d / 1000.0 for d in deadlines if d]
+        deadlines_ms = [self.draining.get(m.node_id) for m in leaving]
+        deadlines = [d / 1000.0 for d in deadlines_ms if d]
         return min(deadlines) - time.time() if deadlines else float("inf")
 
     # -- stopping ------------------------------------------------------------------------

@@ -130,8 +130,9 @@ class WorkerPool:
             for _ in range(missing):
                 actor = cls.remote(*self._init_args)
                 wid = next(self._ids)
-                self.workers[wid] = WorkerHandle(wid, actor, actor.info.remote(), time.monotonic(),
-                                                 node_type=node_type)
+                # Ray types actor methods as plain callables
+                info_ref = actor.info.remote()  # type: ignore[attr-defined]
+                self.workers[wid] = WorkerHandle(wid, actor, info_ref, time.monotonic(), node_type=node_type)
                 n += 1
         return n
 

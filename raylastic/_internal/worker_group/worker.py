@@ -239,7 +239,8 @@ class TrainWorker:
         """Where the train thread is now (its innermost ``limit`` frames): said in the
         event log when the controller replaces a worker that did not unwind."""
         thread = self._thread
-        frame = sys._current_frames().get(thread.ident) if thread is not None and thread.is_alive() else None
+        ident = thread.ident if thread is not None and thread.is_alive() else None
+        frame = sys._current_frames().get(ident) if ident is not None else None
         return "".join(traceback.format_stack(frame, limit=limit)) if frame is not None else ""
 
     def join(self, timeout_s: float) -> bool:
