@@ -182,3 +182,44 @@ def test_restore_refuses_a_bare_bucket():
         ElasticTrainer.restore("s3://bucket", lambda: None)
     with pytest.raises(ConfigError):
         ElasticTrainer.restore("gs://bucket/", lambda: None)
+
+
+_HOLDER = """
+import sys, time
+from raylastic.checkpoint.lease import RunLease
+from raylastic.checkpoint.storage import Storage
+lease = RunLease(Storage(sys.argv[1]), "run", ttl_s=3.0, settle_s=0)
+lease.acquire()
+print("HELD", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_holder_is_taken_over_within_the_lease_ttl(tmp_path):
+    """A real holder process renews the lease, then is SIGKILLed (no release): a second
+    taker is refused while the lease lives and takes the run within ttl after the kill."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "HELD"
+        st = Storage(str(tmp_path))
+        with pytest.raises(RunInUseError):
+            RunLease(st, "run", ttl_s=3.0, settle_s=0).acquire()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    killed = time.monotonic()
+    heir = RunLease(st, "run", ttl_s=3.0, settle_s=0)
+    while True:  # bounded: the lease must expire within ttl (+ one renewal period of slack)
+        try:
+            heir.acquire()
+            break
+        except RunInUseError:
+            assert time.monotonic() - killed < 3.0 + 1.5, "not taken over within the lease ttl"
+            time.sleep(0.1)
+    took = time.monotonic() - killed
+    heir.release()
+    assert took <= 3.0 + 1.5, took
