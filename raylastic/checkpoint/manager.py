@@ -70,7 +70,7 @@ def _read_manifest(storage, rel: str) -> Optional[CommittedCheckpoint]:
     the retry policy): "unreadable" is not "missing".
 
     Corrupt includes every field of the wrong type (index, epoch, world_size: integers
-    >= 0, not bools; ts: a finite number; files: [relative path, size >= 0] pairs;
+    >= 0, not bools; ts: a finite number; files: [relative path, size >= 0, checksum];
     metrics: an object) and numbers no float holds (``1e999``): the manifest is data from
     the store, and a wrong type must be skipped here, not crash a restore later."""
     try:
@@ -85,9 +85,11 @@ def _read_manifest(storage, rel: str) -> Optional[CommittedCheckpoint]:
         return v
 
     def file_entry(f: Any) -> tuple:
-        if not (isinstance(f, list) and len(f) == 2 and isinstance(f[0], str)
-                and isinstance(f[1], int) and not isinstance(f[1], bool) and f[1] >= 0):
-            raise ValueError(f"files entry {f!r:.80} is not [relative path, size >= 0]")
+        # [path, size] or, as the uploader writes them, [path, size, "crc32:<hex>"]
+        if not (isinstance(f, list) and len(f) in (2, 3) and isinstance(f[0], str)
+                and isinstance(f[1], int) and not isinstance(f[1], bool) and f[1] >= 0
+                and (len(f) == 2 or isinstance(f[2], str))):
+            raise ValueError(f"files entry {f!r:.80} is not [relative path, size >= 0(, checksum)]")
         if "\x00" in f[0] or any(part in ("", ".", "..") for part in f[0].split("/")):
             raise ValueError(f"files entry {f[0]!r:.80} is not a plain relative path")
         f[0].encode("utf-8")  # UnicodeEncodeError (a ValueError) for a lone surrogate

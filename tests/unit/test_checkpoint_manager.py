@@ -232,3 +232,25 @@ def test_a_rank_reporting_an_empty_directory_contributes_no_checkpoint(tmp_path)
     assert [r.checkpoint_rel for r in records[1]] == [None]
     (rec0,) = records[0]
     assert rec0.checkpoint_rel and [f[0] for f in rec0.files] == ["state.pt"]
+
+
+def test_a_checkpoint_staged_by_the_uploader_is_read_back_as_committed(env, tmp_path):
+    """The uploader's file entries carry a checksum ([path, size, "crc32:..."]): a manifest
+    that holds them is a committed checkpoint for the next fit(), not a corrupt one."""
+    from raylastic.checkpoint.manager import committed_checkpoints
+    from raylastic.checkpoint.uploader import checksum_tree
+
+    storage, events, tmp = env
+    src = tmp_path / "staged"
+    src.mkdir()
+    (src / "model.pt").write_bytes(b"weights")
+    entries = checksum_tree(str(src))
+    assert entries and len(entries[0]) == 3 and entries[0][2].startswith("crc32:")
+    rel = checkpoint_rel("run", 4, 2)
+    storage.upload_dir(str(src), rel)
+    rec = ReportRecord(index=4, rank=0, epoch=2, ts=0.0, metrics={"step": 4}, checkpoint_rel=rel,
+                       files=[list(e) for e in entries])
+    mgr = CheckpointManager(storage, "run", None, events)
+    mgr.begin_epoch(2, 1)
+    assert [c.index for c in mgr.on_records([rec])] == [4]
+    assert [c.index for c in committed_checkpoints(storage, "run")] == [4]
