@@ -552,7 +552,9 @@ def test_resume_on_a_fresh_cluster(clusters, servers, tmp_path, backend):
     assert second_cluster.address != first_address and ray.is_initialized()
     second = fit(12, str(tmp_path / "log2"))
 
-    restored = _log(str(tmp_path / "log2"), "restored", epoch=1)
+    # the second fit() numbers its groups after the first's (one group: epoch 1), so its
+    # first group is epoch 2: checkpoint directory names are never reused
+    restored = _log(str(tmp_path / "log2"), "restored", epoch=2)
     assert sorted(r["rank"] for r in restored) == [0, 1]
     assert all(r["step"] == 7 and r["problems"] == [] for r in restored), restored
     events = _events(storage, run)
