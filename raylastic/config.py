@@ -9,11 +9,11 @@ a traceback, not a cluster. Messages name the field, the value and the fix. The 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, cast
 
 from raylastic._internal.validate import (
     check_bool, check_instance, check_int, check_number, check_reserves_something, check_resources,
-    check_storage_path, run_name_problem,
+    check_storage_path, check_text, run_name_problem,
 )
 from raylastic.errors import ConfigError
 from raylastic.policies.capacity import CapacityPolicy
@@ -69,8 +69,9 @@ class ScalingConfig:
             object.__setattr__(self, "max_workers", self.min_workers)
         check_int(self.max_workers, "ScalingConfig.max_workers", minimum=1,
                   fix="pass max_workers >= min_workers, or leave it out (a fixed size of min_workers)")
+        max_workers = cast(int, self.max_workers)  # set (and checked) just above
         _check(
-            self.min_workers <= self.max_workers,
+            self.min_workers <= max_workers,
             f"ScalingConfig: min_workers ({self.min_workers}) > max_workers "
             f"({self.max_workers}). Fix: raise max_workers or lower min_workers.",
         )
@@ -157,11 +158,20 @@ class CheckpointConfig:
         persist_every: with ``ElasticState``, write every N-th in-memory snapshot to
             storage (in the background). ``None``: only snapshots in memory, plus what
             the train function reports itself.
+        score_attribute: rank checkpoints by this metric (of rank 0's report, nested keys
+            as ``"a/b"``) instead of by age: ``num_to_keep`` then keeps the best ones, and
+            the newest committed checkpoint is kept as well (what a restart resumes from),
+            as in Ray Train. NaN ranks below every number; a missing key counts as
+            ``-inf`` (last with "max", first with "min", as in Ray Train). ``None``: the
+            newest ``num_to_keep`` are kept.
+        score_order: ``"max"`` (a higher score is better) or ``"min"``.
     """
 
     num_to_keep: Optional[int] = None
     async_upload: bool = True
     persist_every: Optional[int] = None
+    score_attribute: Optional[str] = None
+    score_order: str = "max"
 
     def __post_init__(self) -> None:
         check_int(self.num_to_keep, "CheckpointConfig.num_to_keep", minimum=1, none_means="keep all",
@@ -170,6 +180,12 @@ class CheckpointConfig:
         check_int(self.persist_every, "CheckpointConfig.persist_every", minimum=1,
                   none_means="snapshots stay in memory",
                   fix="pass persist_every=N to write every N-th ElasticState snapshot, or None")
+        check_text(self.score_attribute, "CheckpointConfig.score_attribute", optional=True,
+                   fix="pass the name of a metric your train function reports, e.g. score_attribute='val_loss', "
+                       "or None to keep the newest checkpoints")
+        _check(self.score_order in ("max", "min") and isinstance(self.score_order, str),
+               f"CheckpointConfig.score_order={self.score_order!r} must be 'max' or 'min'. "
+               "Fix: pass score_order='min' for a loss, 'max' for an accuracy.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,7 +273,7 @@ def _check_retry(retry: Any) -> None:
 
 def describe(obj: Any) -> Dict[str, Any]:
     """A JSON-friendly view of a config for the event log (no secrets live in configs)."""
-    if is_dataclass(obj):
+    if is_dataclass(obj) and not isinstance(obj, type):
         return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in asdict(obj).items()}
     return {"value": repr(obj)}
 

@@ -15,8 +15,9 @@ committed checkpoints.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import pandas as pd
 import pyarrow.fs as pafs
@@ -24,9 +25,13 @@ from ray.train import Checkpoint
 from ray.train.v2.api.result import Result as RayResult
 
 from raylastic import session as _session
+from raylastic._internal.ray_train_checkpoints import Retention, write_ray_snapshot
+from raylastic._internal.ray_train_errors import as_ray_error
+from raylastic.checkpoint import scoring
 from raylastic.checkpoint.manager import committed_checkpoints
 from raylastic.checkpoint.storage import Storage
-from raylastic.errors import ConfigError
+from raylastic.config import CheckpointConfig
+from raylastic.errors import ConfigError, TrainingFailedError
 from raylastic.ray_train_config import translate
 from raylastic.session import StorageCheckpoint
 from raylastic.trainer import ElasticTrainer
@@ -42,8 +47,9 @@ class TorchTrainerResult(RayResult):
     Ray Train's attributes: ``metrics`` (the last metrics rank 0 reported), ``checkpoint``
     (the latest committed checkpoint), ``error`` (None: ``fit()`` raises instead),
     ``path`` (the run directory on ``filesystem``), ``filesystem``, ``best_checkpoints``
-    (the committed checkpoints kept, oldest first, with the metrics rank 0 reported with
-    each), ``metrics_dataframe`` (one row per kept checkpoint, as in Ray Train 2.x),
+    (the best ``num_to_keep`` committed checkpoints by ``checkpoint_score_attribute``, worst
+    first, or without one the kept checkpoints oldest first, each with the metrics rank 0
+    reported with it), ``metrics_dataframe`` (one row per best checkpoint, as in Ray Train),
     ``return_value`` (what rank 0's train function returned), ``get_best_checkpoint``.
     Added: ``world_sizes`` (every group formed, in order) and ``restarts``.
     """
@@ -97,10 +103,11 @@ class TorchTrainer:
         translation = translate(scaling_config, run_config, torch_config)
         for note in translation.ignored:
             logger.info("TorchTrainer: %s", note)
-        func: Callable = train_loop_per_worker
         if resume_from_checkpoint is not None:
             _check_checkpoint(resume_from_checkpoint)
-            func = ResumeFrom(train_loop_per_worker, resume_from_checkpoint)
+        ship_by_value(train_loop_per_worker)
+        func = ResumeFrom(train_loop_per_worker, resume_from_checkpoint,
+                          Retention.of(translation.run.checkpoint_config))
         self.scaling_config = scaling_config
         self.run_config = run_config
         self.train_loop_config = train_loop_config
@@ -110,10 +117,54 @@ class TorchTrainer:
                                        datasets=datasets, dataset_config=dataset_config)
 
     def fit(self) -> TorchTrainerResult:
-        """Train; raise the error that ended training (as Ray Train's ``fit`` does):
-        ``raylastic.TrainingFailedError``, ``InsufficientCapacityError``, ``TrainingAborted``."""
-        result = self._trainer.fit()
-        return ray_result(result, self.translation.run.storage_path, self.translation.run.name)
+        """Train; raise the error that ended training (as Ray Train's ``fit`` does): a
+        ``raylastic.TrainingFailedError`` that is also a ``ray.train.TrainingFailedError``
+        (``WorkerGroupError`` when ranks failed, ``ControllerError`` otherwise),
+        ``InsufficientCapacityError``, ``TrainingAborted``. Either way the run directory gets
+        Ray's checkpoint-manager snapshot, so ``ray.train.Result.from_path`` reads it."""
+        run = self.translation.run
+        try:
+            result = self._trainer.fit()
+        except TrainingFailedError as e:
+            _snapshot(run)
+            raise as_ray_error(e) from e
+        _snapshot(run)
+        # the run's name: the one given, or the one ElasticTrainer generated for it
+        return ray_result(result, run.storage_path, run.name or self._trainer._name, run.checkpoint_config)
+
+
+def ship_by_value(func: Callable) -> bool:
+    """Pickle ``func``'s module by value when Ray's processes may not import it by name.
+
+    cloudpickle pickles a function by reference (module and name) unless it lives in
+    ``__main__``; the controller actor and the workers then import the module. Ray puts the
+    driver's working directory and script directory on its workers' ``sys.path``, and they
+    inherit ``PYTHONPATH`` on a local cluster; a top-level module elsewhere (a test file
+    collected by pytest from another directory, a module the driver put on its own
+    ``sys.path``) fails with ``ModuleNotFoundError`` in the controller. Such a module (outside
+    the installed packages and the standard library too) is registered with ``ray.cloudpickle.register_pickle_by_value`` (for the
+    whole process, as cloudpickle's registry is), so the function and the module globals
+    it uses travel with it, as for ``__main__``. Returns whether it was registered."""
+    import sys
+    import sysconfig
+
+    from ray import cloudpickle
+
+    name = getattr(func, "__module__", None) or getattr(type(func), "__module__", None)
+    module = sys.modules.get(name or "")
+    path = getattr(module, "__file__", None)
+    if module is None or not name or name == "__main__" or "." in name or not path:
+        return False
+    path = os.path.realpath(path)
+    installed = {os.path.realpath(p) for k, p in sysconfig.get_paths().items() if k in ("purelib", "platlib", "stdlib")}
+    if any(path.startswith(root + os.sep) for root in installed):
+        return False
+    reachable = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    reachable |= {os.path.realpath(os.curdir), os.path.dirname(os.path.realpath(sys.argv[0] or os.curdir))}
+    if os.path.dirname(path) in reachable:
+        return False
+    cloudpickle.register_pickle_by_value(module)
+    return True
 
 
 def _check_checkpoint(ckpt: Any) -> None:
@@ -121,38 +172,65 @@ def _check_checkpoint(ckpt: Any) -> None:
         raise ConfigError(
             f"resume_from_checkpoint must be a ray.train.Checkpoint, got {type(ckpt).__name__}. "
             "Fix: ray.train.Checkpoint.from_directory(path) or Checkpoint(path, filesystem).")
-    info = ckpt.filesystem.get_file_info(ckpt.path)
+    fs = ckpt.filesystem
+    if fs is None:
+        raise ConfigError(f"resume_from_checkpoint={ckpt!r} has no filesystem. Fix: "
+                          "ray.train.Checkpoint.from_directory(path) or Checkpoint(path, filesystem).")
+    info = fs.get_file_info(ckpt.path)
     if info.type != pafs.FileType.Directory:
         raise ConfigError(
             f"resume_from_checkpoint={ckpt!r}: no directory at {ckpt.path!r} "
-            f"({ckpt.filesystem.type_name} filesystem). Fix: point it at an existing checkpoint "
+            f"({fs.type_name} filesystem). Fix: point it at an existing checkpoint "
             "directory that every node can read.")
 
 
 class ResumeFrom:
-    """The train function, with ``checkpoint`` as what ``get_checkpoint()`` returns until
-    the run commits a checkpoint of its own (then, after any restart, that one wins)."""
+    """The train function as a worker runs it: ``checkpoint`` (``resume_from_checkpoint``,
+    or None) is what ``get_checkpoint()`` returns until the run commits a checkpoint of its
+    own (then, after any restart, that one wins); ``retention`` is the run's
+    ``CheckpointConfig`` rules, which ``ray.train.get_all_reported_checkpoints()`` applies."""
 
-    def __init__(self, func: Callable, checkpoint: Checkpoint):
+    def __init__(self, func: Callable, checkpoint: Optional[Checkpoint] = None,
+                 retention: Optional[Retention] = None):
         self.func = func
         self.checkpoint = checkpoint
+        self.retention = retention or Retention()
 
     def __call__(self, config: Dict[str, Any]) -> Any:
         # Here, not at the top: the worker module imports torch (it is loaded already in
         # the worker process this runs in).
+        from raylastic._internal import ray_train_compat
         from raylastic._internal.worker_group.worker import _call
 
-        _session._get_session().initial_checkpoint = self.checkpoint
+        if self.checkpoint is not None:
+            _session._get_session().initial_checkpoint = self.checkpoint
+        ray_train_compat.set_retention(self.retention)
         return _call(self.func, config)
 
 
-def ray_result(result: ElasticResult, storage_path: str, name: str) -> TorchTrainerResult:
-    """Ray Train's result for raylastic's, reading the run's committed checkpoints."""
+def _snapshot(run: Any) -> None:
+    """Ray's checkpoint-manager snapshot of the run; a storage error is logged, never
+    raised over the run's own outcome."""
+    try:
+        storage = Storage(run.storage_path)
+        write_ray_snapshot(storage, run.name, run.checkpoint_config)
+    except Exception as e:  # noqa: BLE001 - the run's result or error matters more
+        logger.warning("could not write Ray Train's checkpoint_manager_snapshot.json for run %s: %s", run.name, e)
+
+
+def ray_result(result: ElasticResult, storage_path: str, name: str,
+               checkpoint_config: Optional[CheckpointConfig] = None) -> TorchTrainerResult:
+    """Ray Train's result for raylastic's, reading the run's committed checkpoints:
+    ``best_checkpoints`` are the best ``num_to_keep`` by the score attribute (worst first),
+    or the kept ones oldest first, as Ray Train lists them."""
+    cc = checkpoint_config or CheckpointConfig()
     storage = Storage(storage_path)
-    best = [(StorageCheckpoint(storage, c.rel), dict(c.metrics))
-            for c in committed_checkpoints(storage, name)]
+    ranked = scoring.best(committed_checkpoints(storage, name), cc.num_to_keep, cc.score_attribute, cc.score_order)
+    best: List[Tuple[Checkpoint, Dict[str, Any]]] = [
+        (StorageCheckpoint(storage, c.rel), dict(c.metrics)) for c in ranked]
     return TorchTrainerResult(
-        metrics=result.metrics, checkpoint=result.checkpoint, error=result.error,
+        # fit() raises instead of returning an error: Ray's field type (its TrainingFailedError) is moot
+        metrics=result.metrics, checkpoint=result.checkpoint, error=cast(Any, result.error),
         path=storage.path(name), _storage_filesystem=storage.fs, best_checkpoints=best,
         metrics_dataframe=pd.DataFrame([m for _, m in best]) if best else None,
         return_value=result.return_value, world_sizes=list(result.world_sizes), restarts=result.restarts,

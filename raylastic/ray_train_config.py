@@ -20,7 +20,7 @@ for a translated value names the Ray Train field (``ray.train.RunConfig.name``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 from ray._common.utils import RESOURCE_CONSTRAINT_PREFIX
 from ray.train.v2._internal.constants import _DEPRECATED
@@ -68,7 +68,9 @@ def translate(scaling_config: Optional[RayScalingConfig], run_config: Optional[R
     ignored: List[Ignored] = []
     scaling = translate_scaling(scaling_config, ignored)
     run = translate_run(run_config, ignored)
-    check_torch_config(torch_config, scaling_config.use_gpu, ignored)
+    # use_gpu is a real bool here (translate_scaling refused anything else); Ray's type also
+    # admits Tune search spaces
+    check_torch_config(torch_config, cast(bool, scaling_config.use_gpu), ignored)
     return Translation(scaling=scaling, run=run, ignored=tuple(ignored))
 
 
@@ -185,7 +187,7 @@ def worker_resources(sc: RayScalingConfig) -> Dict[str, float]:
     if sc.resources_per_worker is None:
         res: Dict[str, float] = {"GPU": 1} if sc.use_gpu else {"CPU": 1}
     else:
-        res = dict(sc.resources_per_worker)
+        res = dict(cast(Dict[str, float], sc.resources_per_worker))  # checked: a mapping of amounts
     if sc.use_gpu:
         res.setdefault("GPU", 1)
     if sc.accelerator_type:
@@ -274,16 +276,12 @@ def translate_checkpoint(cc: Optional[RayCheckpointConfig], ignored: List[Ignore
             raise _refuse(f"CheckpointConfig.{name}", getattr(cc, name),
                           "Ray Train 2.x deprecated it: the train function decides when to checkpoint",
                           f"remove {name} and pass checkpoint= to ray.train.report() when you want one")
-    if cc.checkpoint_score_attribute is not None:
-        raise _refuse("CheckpointConfig.checkpoint_score_attribute", cc.checkpoint_score_attribute,
-                      "raylastic keeps the newest num_to_keep committed checkpoints, never ranked by a metric",
-                      "remove checkpoint_score_attribute/checkpoint_score_order; pick the best checkpoint "
-                      "after fit() with result.get_best_checkpoint(metric, mode) over result.best_checkpoints "
-                      "(num_to_keep=None keeps all of them)")
+    check_text(cc.checkpoint_score_attribute, "ray.train.CheckpointConfig.checkpoint_score_attribute", optional=True,
+               fix="pass the name of a metric your train function reports, or leave it out")
     if cc.checkpoint_score_order not in ("max", "min"):
         raise ConfigError(f"ray.train.CheckpointConfig.checkpoint_score_order={cc.checkpoint_score_order!r} must "
-                          "be 'max' or 'min'. Fix: remove it (it only orders by checkpoint_score_attribute).")
-    if cc.checkpoint_score_order != "max":
+                          "be 'max' or 'min'. Fix: pass 'min' for a loss, 'max' for an accuracy.")
+    if cc.checkpoint_score_attribute is None and cc.checkpoint_score_order != "max":
         ignored.append(Ignored("CheckpointConfig.checkpoint_score_order",
                                "it only orders checkpoints by checkpoint_score_attribute, which is not set "
                                "(the same in Ray Train)"))
@@ -291,7 +289,8 @@ def translate_checkpoint(cc: Optional[RayCheckpointConfig], ignored: List[Ignore
     if keep is not None and (not is_int(keep) or keep < 1):
         raise ConfigError(f"ray.train.CheckpointConfig.num_to_keep must be an int >= 1 or None (keep all), "
                           f"got {keep!r}. Fix: pass num_to_keep=2 or more (1 keeps only the newest), or None.")
-    return _ours(CheckpointConfig, num_to_keep=keep)
+    return _ours(CheckpointConfig, num_to_keep=keep, score_attribute=cc.checkpoint_score_attribute,
+                 score_order=cc.checkpoint_score_order)
 
 
 # -- TorchConfig ------------------------------------------------------------------------

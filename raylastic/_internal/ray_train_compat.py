@@ -5,7 +5,8 @@ Ray Train v2 (ray >= 2.50) dispatches ``ray.train.report``, ``get_checkpoint`` a
 with ``set_train_fn_utils``; ``ray.train.torch.prepare_model`` and
 ``prepare_data_loader`` read ranks through ``ray.train.get_context()``. Installing
 :class:`RayTrainAdapter` there makes a function written for ``TorchTrainer`` run
-unchanged under ``ElasticTrainer``.
+unchanged under ``ElasticTrainer``. ``get_all_reported_checkpoints`` waits for the other
+ranks' reports and the commits they imply (``ray_train_checkpoints``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,17 @@ from ray.train.v2._internal.execution.train_fn_utils import TrainFnUtils, set_tr
 from ray.train.v2.api.context import TrainContext as RayTrainContext
 
 from raylastic import session as _session
+from raylastic._internal.ray_train_checkpoints import ReportProgress, Retention
+
+# The run's retention rules, set in this worker process by ``raylastic.TorchTrainer``'s
+# train-function wrapper; ``ElasticTrainer`` runs keep the default (the controller has
+# pruned storage already; the default only orders by age).
+_retention = Retention()
+
+
+def set_retention(retention: Retention) -> None:
+    global _retention
+    _retention = retention
 
 
 class RayContext(RayTrainContext):
@@ -54,17 +66,20 @@ class RayTrainAdapter(TrainFnUtils):
     def __init__(self, sess: "_session.Session"):
         self._sess = sess
         self._context = RayContext(sess.context)
+        self._progress = ReportProgress()
 
     def report(self, metrics: Dict[str, Any], checkpoint=None, checkpoint_dir_name=None,
                checkpoint_upload_mode=None, delete_local_checkpoint_after_upload=None,
                checkpoint_upload_fn=None, validation=False) -> None:
         self._sess.report(metrics, checkpoint)
+        self._progress.after_report(self._sess, checkpoint)
 
     def get_checkpoint(self):
         return self._sess.get_checkpoint()
 
     def get_all_reported_checkpoints(self, consistency_mode=None, timeout_s=None) -> List[Any]:
-        return []
+        self._progress.retention = _retention
+        return self._progress.reported(self._sess, timeout_s)
 
     def get_dataset_shard(self, dataset_info):
         name = getattr(dataset_info, "dataset_name", dataset_info)

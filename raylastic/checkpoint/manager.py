@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from raylastic.checkpoint import scoring
 from raylastic.events import EventKind, EventLog
 from raylastic.session import ReportRecord
 
@@ -121,11 +122,17 @@ def _read_manifest(storage, rel: str) -> Optional[CommittedCheckpoint]:
 
 
 class CheckpointManager:
-    def __init__(self, storage, run_rel: str, num_to_keep: Optional[int], events: EventLog):
+    """``score_attribute`` / ``score_order``: retention ranks checkpoints by that metric
+    (``raylastic.checkpoint.scoring``, Ray Train's rules) instead of by age."""
+
+    def __init__(self, storage, run_rel: str, num_to_keep: Optional[int], events: EventLog, *,
+                 score_attribute: Optional[str] = None, score_order: str = "max"):
         self._storage = storage
         self._run_rel = run_rel
         self._dir = f"{run_rel}/checkpoints"
         self._num_to_keep = num_to_keep
+        self._score_attribute = score_attribute
+        self._score_order = score_order
         self._events = events
         self._pending: Dict[int, Dict[int, ReportRecord]] = {}
         self._writers_this_epoch: Optional[set] = None  # ranks whose files the epoch's commits had
@@ -223,6 +230,7 @@ class CheckpointManager:
         writers = {r.rank for r in with_ckpt}
         self._writers_this_epoch = writers if self._writers_this_epoch is None else self._writers_this_epoch | writers
         rel = with_ckpt[0].checkpoint_rel
+        assert rel is not None  # with_ckpt holds only records with a checkpoint_rel
         if not self._owns(rel):  # never write (or later delete) outside this run's checkpoints
             logger.error("not committing checkpoint %d: %r is not a checkpoint directory of this run "
                          "(%s/checkpoint_<index>-e<epoch>)", index, rel, self._dir)
@@ -249,7 +257,8 @@ class CheckpointManager:
         self._retain()
         return ckpt
 
-    def commit_evacuation(self, index: int, rel: str, files: List[Any], upload_s: float) -> CommittedCheckpoint:
+    def commit_evacuation(self, index: int, rel: str, files: List[Any],
+                          upload_s: float) -> Optional[CommittedCheckpoint]:
         """Commit a snapshot that the last holders of the state wrote to storage before
         leaving (every member was on draining nodes): a single writer, already uploaded."""
         rec = ReportRecord(index=index, rank=0, epoch=self._epoch, ts=time.time(), metrics={},
@@ -258,24 +267,26 @@ class CheckpointManager:
         return self._commit(index, {0: rec})
 
     def _retain(self) -> None:
-        if self._num_to_keep is None:
-            return
-        while len(self._committed) > self._num_to_keep:
-            old = self._committed[0]
+        """Delete what ``scoring.to_delete`` says: the oldest beyond ``num_to_keep``, or with
+        a score attribute the worst-scored beyond it except the newest."""
+        doomed = scoring.to_delete(self._committed, self._num_to_keep, self._score_attribute, self._score_order)
+        reason = f"num_to_keep={self._num_to_keep}"
+        if self._score_attribute is not None:
+            reason += f", ranked by {self._score_attribute!r} ({self._score_order})"
+        for old in doomed:
             if not self._owns(old.rel):
                 logger.warning("not deleting checkpoint %s: not a checkpoint directory of this run "
                                "(%s/checkpoint_<index>-e<epoch>)", old.rel, self._dir)
-                self._committed.pop(0)
+                self._committed.remove(old)
                 continue
             # Manifest first: a half-deleted directory must never look committed. If that
             # delete fails (StorageError) the checkpoint is still committed and still listed;
             # once it succeeds, a failed directory delete leaves an uncommitted directory,
             # which delete_uncommitted removes when the next group forms.
             self._storage.delete_file(f"{old.rel}/{MANIFEST}")
-            self._committed.pop(0)
+            self._committed.remove(old)
             self._storage.delete_dir(old.rel)
-            self._events.emit(EventKind.CHECKPOINT_DELETED, index=old.index, path=old.rel,
-                              reason=f"num_to_keep={self._num_to_keep}")
+            self._events.emit(EventKind.CHECKPOINT_DELETED, index=old.index, path=old.rel, reason=reason)
 
     def _owns(self, rel: str) -> bool:
         """Whether ``rel`` is exactly ``<run>/checkpoints/<checkpoint dir>``: retention and

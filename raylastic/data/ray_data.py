@@ -26,7 +26,7 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from raylastic.data.plan import shard_bounds
 from raylastic.errors import ConfigError
@@ -458,7 +458,7 @@ def _cut(blocks: Deque[List[Any]], ranges: Sequence[Tuple[int, int]]):
     return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
 
 
-class ElasticDataIterator(_data_iterator_base()):
+class ElasticDataIterator(_data_iterator_base()):  # type: ignore[misc]  # Ray's base, imported lazily
     """What ``get_dataset_shard(name)`` returns for a split dataset: Ray's ``DataIterator``
     interface (``iter_batches``, ``iter_torch_batches``, ``iter_rows``; Ray's own argument
     handling for dtypes, device, collate_fn, pin_memory) over this rank's share of each

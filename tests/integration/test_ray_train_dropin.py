@@ -117,3 +117,45 @@ def test_resume_from_checkpoint_until_the_run_has_its_own(local_cluster, run_dir
     second = trainer.fit()
     assert (second.return_value, second.metrics) == (42, {"count": 43})
     assert [m["count"] for _, m in second.best_checkpoints] == [42, 43]
+
+
+def test_reported_checkpoints_errors_and_result_from_path_are_ray_trains(local_cluster, run_dir):
+    """Ray Train's contract on two ranks: ``get_all_reported_checkpoints()`` on every rank
+    (rank 1 reports no files and still sees rank 0's, waiting for their commit), retention
+    by a score attribute, a user error raised as ``ray.train.WorkerGroupError`` with the
+    worker's error first, and ``Result.from_path`` reading the run afterwards."""
+
+    def train_fn(config):  # nested, so Ray ships it by value
+        rank = ray.train.get_context().get_world_rank()
+        seen = []
+        for i in range(4):
+            with tempfile.TemporaryDirectory() as d:
+                checkpoint = None
+                if rank == 0:
+                    with open(os.path.join(d, "i.txt"), "w") as fh:
+                        fh.write(str(i))
+                    checkpoint = ray.train.Checkpoint.from_directory(d)
+                ray.train.report({"score": i, "rank": rank}, checkpoint=checkpoint)
+            seen.append(sorted(c.metrics["score"] for c in ray.train.get_all_reported_checkpoints()))
+        assert seen == [[0], [0, 1], [1, 2], [2, 3]], seen  # num_to_keep=2 by max score
+        if rank == 1:
+            raise ValueError("bad batch on rank 1")
+
+    trainer = raylastic.TorchTrainer(
+        train_fn, scaling_config=ray.train.ScalingConfig(num_workers=2),
+        run_config=ray.train.RunConfig(
+            name="contract", storage_path=run_dir,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="score",
+                                                         checkpoint_score_order="max")))
+    with pytest.raises(ray.train.WorkerGroupError) as info:
+        trainer.fit()
+    err = info.value
+    assert isinstance(err, ray.train.TrainingFailedError) and isinstance(err, raylastic.TrainingFailedError)
+    assert str(err).startswith("Training failed due to worker errors:\n[Rank 1]: error: ValueError: bad batch on rank 1")
+    assert list(err.worker_failures) == [1] and "bad batch" in str(err.worker_failures[1])
+
+    result = ray.train.Result.from_path(os.path.join(run_dir, "contract"))
+    assert [m["score"] for _, m in result.best_checkpoints] == [2, 3]
+    with result.get_best_checkpoint("score", "max").as_directory() as d:
+        assert open(os.path.join(d, "i.txt")).read() == "3"
+    assert len(_checkpoint_dirs(result.path)) == 2

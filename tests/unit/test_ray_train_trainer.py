@@ -217,8 +217,10 @@ def _ckpt_config(**kw):
      ["FailureConfig.max_failures must be an int >= -1"]),
     (lambda p: _run(p, failure_config=ray.train.FailureConfig(max_preemption_failures=-5)),
      ["FailureConfig.max_preemption_failures must be an int >= -1"]),
-    (lambda p: _run(p, checkpoint_config=ray.train.CheckpointConfig(checkpoint_score_attribute="loss")),
-     ["CheckpointConfig.checkpoint_score_attribute='loss'", "get_best_checkpoint"]),
+    (lambda p: _run(p, checkpoint_config=_ckpt_config(checkpoint_score_attribute="")),
+     ["CheckpointConfig.checkpoint_score_attribute=''", "name of a metric"]),
+    (lambda p: _run(p, checkpoint_config=_ckpt_config(checkpoint_score_attribute="loss", checkpoint_score_order="low")),
+     ["CheckpointConfig.checkpoint_score_order='low'", "'max' or 'min'"]),
     (lambda p: _run(p, checkpoint_config=_ckpt_config(checkpoint_at_end=True)), ["CheckpointConfig.checkpoint_at_end"]),
     (lambda p: _run(p, checkpoint_config=_ckpt_config(checkpoint_frequency=5)),
      ["CheckpointConfig.checkpoint_frequency"]),
@@ -339,3 +341,105 @@ def test_resume_wrapper_keeps_zero_argument_functions(tmp_path):
         assert ResumeFrom(train_func, ray.train.Checkpoint.from_directory(str(tmp_path)))({"x": 1}) == {"x": 1}
     finally:
         _session_mod._set_session(None)
+
+
+def test_get_all_reported_checkpoints_lists_the_kept_ones_up_to_this_rank(tmp_path):
+    """One rank, no process group: the committed checkpoints with index <= this rank's
+    reports, ranked and trimmed by the run's retention (what the shim's wrapper sets)."""
+    from raylastic import session as _session_mod
+    from raylastic._internal import ray_train_compat
+    from raylastic._internal.ray_train_checkpoints import Retention
+    from raylastic.checkpoint.manager import CheckpointManager
+    from raylastic.events import EventLog
+    from raylastic.session import ReportRecord, checkpoint_rel
+
+    sess = _session(tmp_path)
+    mgr = CheckpointManager(sess.storage, "run", None, EventLog(sess.storage, "run", verbose=False))
+    mgr.begin_epoch(0, 1)
+    for index, loss in [(1, 0.9), (2, 0.2), (3, 0.5), (4, 0.1)]:
+        (tmp_path / f"src{index}").mkdir()
+        (tmp_path / f"src{index}" / "w").write_bytes(b"x")
+        rel = checkpoint_rel("run", index, 0)
+        mgr.on_records([ReportRecord(index=index, rank=0, epoch=0, ts=0.0, metrics={"loss": loss},
+                                     checkpoint_rel=rel, files=sess.storage.upload_dir(str(tmp_path / f"src{index}"), rel))])
+    _session_mod._set_session(sess)
+    ray_train_compat.install(sess)
+    try:
+        for _ in range(3):
+            ray.train.report({"loss": 0.0})  # this rank is at report 3: checkpoint 4 is not its yet
+        ray_train_compat.set_retention(Retention(num_to_keep=1, score_attribute="loss", score_order="min"))
+        got = ray.train.get_all_reported_checkpoints()
+        ray_train_compat.set_retention(Retention())
+        by_age = ray.train.get_all_reported_checkpoints()
+    finally:
+        _session_mod._set_session(None)
+    # min loss: 2 (0.2) is best; 3 is kept for being the newest (up to report 3), worst first.
+    assert [c.metrics["loss"] for c in got] == [0.5, 0.2]
+    assert got[1].checkpoint.path == sess.storage.path(checkpoint_rel("run", 2, 0))
+    assert [c.metrics["loss"] for c in by_age] == [0.9, 0.2, 0.5]
+
+
+def test_a_module_workers_cannot_import_is_shipped_by_value(tmp_path, monkeypatch):
+    """A top-level module outside the driver's working directory, PYTHONPATH and the
+    installed packages is pickled by value (a fresh interpreter without its directory
+    on sys.path runs the function); installed and package modules are left alone."""
+    import subprocess
+    import sys
+
+    from ray import cloudpickle
+
+    from raylastic.ray_train import ship_by_value
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "my_train_mod.py").write_text(
+        "SCALE = 3\n\ndef train_fn(config):\n    return config['x'] * SCALE\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+    monkeypatch.chdir(tmp_path)
+    import my_train_mod
+
+    try:
+        assert ship_by_value(my_train_mod.train_fn)
+        blob = cloudpickle.dumps(my_train_mod.train_fn)
+    finally:
+        cloudpickle.unregister_pickle_by_value(my_train_mod)
+        sys.modules.pop("my_train_mod", None)
+    code = "import sys, pickle; f = pickle.loads(sys.stdin.buffer.read()); print(f({'x': 2}))"
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, cwd=str(tmp_path), timeout=120)
+    assert out.stdout.strip() == b"6", out.stderr.decode()[-2000:]
+    assert not ship_by_value(os.path.join)  # the standard library
+    assert not ship_by_value(ray.train.report)  # an installed package's module
+    assert not ship_by_value(raylastic.session.report)  # a package's module: imported by its name
+
+
+def test_get_all_reported_checkpoints_waits_for_the_commit_of_its_own_checkpoint(tmp_path):
+    """A rank that reported checkpoint files waits until the controller's manifest for
+    that index is written (here by a thread 0.3 s later), then lists it."""
+    import threading
+    import time
+
+    from raylastic import session as _session_mod
+    from raylastic._internal import ray_train_compat
+    from raylastic.checkpoint.manager import CheckpointManager
+    from raylastic.events import EventLog
+
+    sess = _session(tmp_path)
+    sess.uploader = None  # report() below is replayed by hand: no upload machinery
+    adapter = ray_train_compat.RayTrainAdapter(sess)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w").write_bytes(b"x")
+    record = sess._next_record({"loss": 1.0})  # what report(checkpoint=...) makes
+    adapter._progress.after_report(sess, ray.train.Checkpoint.from_directory(str(src)))
+    rel = raylastic.session.checkpoint_rel("run", record.index, 0)
+    record.checkpoint_rel, record.files = rel, sess.storage.upload_dir(str(src), rel)
+    mgr = CheckpointManager(sess.storage, "run", None, EventLog(sess.storage, "run", verbose=False))
+    mgr.begin_epoch(0, 1)
+    threading.Timer(0.3, mgr.on_records, args=([record],)).start()
+    _session_mod._set_session(sess)
+    try:
+        start = time.monotonic()
+        got = adapter.get_all_reported_checkpoints(timeout_s=30)
+    finally:
+        _session_mod._set_session(None)
+    assert 0.2 < time.monotonic() - start < 10
+    assert [c.metrics for c in got] == [{"loss": 1.0}]

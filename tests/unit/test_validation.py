@@ -87,6 +87,8 @@ TABLE: Dict[type, Dict[str, Row]] = {
         "num_to_keep": Row(bad=(0, -1, True, 2.0, "2"), good=(None, 1, 5)),
         "async_upload": Row(bad=("no", 0, None), good=(True, False)),
         "persist_every": Row(bad=(0, -1, True, False, 1.5, NAN, "10"), good=(None, 1, 10)),
+        "score_attribute": Row(bad=(3, "", " ", "a\nb", b"loss"), good=(None, "val_loss", "metrics/acc")),
+        "score_order": Row(bad=("best", "MAX", None, 1), good=("max", "min")),
     },
     RunConfig: {
         "name": Row(bad=("a*b", "run?", "r[0]", "a]b", "a/b", "a\\b", "a\nb", "a\x00b", "a\x7fb", "..", ".",
@@ -170,7 +172,7 @@ TABLE: Dict[type, Dict[str, Row]] = {
     },
     RayCheckpointConfig: {
         "num_to_keep": Row(bad=(0, True, 2.0, "2"), good=(None, 1, 3)),
-        "checkpoint_score_attribute": Row(bad=("loss",), good=(None,)),
+        "checkpoint_score_attribute": Row(bad=(3, "", "a\nb"), good=(None, "loss", "val/acc")),
         "checkpoint_score_order": Row(bad=("bogus", None), good=("max", "min")),
         "checkpoint_frequency": Row(bad=(5,), good=()),
         "checkpoint_at_end": Row(bad=(True,), good=()),

@@ -86,7 +86,9 @@ class Controller(CapacitySteps, FailureSteps):
         self._run_name = run_name
         self._stop_requested = threading.Event()
         self._events = EventLog(storage, run_rel, verbose=run.verbose)
-        self._ckpt = CheckpointManager(storage, run_rel, run.checkpoint_config.num_to_keep, self._events)
+        cc = run.checkpoint_config
+        self._ckpt = CheckpointManager(storage, run_rel, cc.num_to_keep, self._events,
+                                       score_attribute=cc.score_attribute, score_order=cc.score_order)
         self._scaling_policy = scaling_policy or from_configs(scaling)[0]  # one wait clock
         fc = run.failure_config
         self._failure_policy = failure_policy or FailurePolicy(fc.max_failures, fc.max_node_failures)

@@ -122,7 +122,10 @@ class MemoryRestore:
                                   decision="evacuate", index=index, to_rank=target.prev_rank)
                 return
             out = self._group.persist_snapshot(target, index, epoch)
-            self._ckpt.commit_evacuation(index, out.rel, out.files, out.upload_s)
+            if self._ckpt.commit_evacuation(index, out.rel, out.files, out.upload_s) is None:
+                logger.warning("snapshot %s was persisted to %s but not committed (not a checkpoint "
+                               "directory of this run)", index, out.rel)
+                return
             self._events.emit(EventKind.DECISION, f"no remaining worker holds snapshot {index}: "
                               f"persisted it to storage before the node goes", decision="evacuate",
                               index=index, upload_s=round(out.upload_s, 3))
