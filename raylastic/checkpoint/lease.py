@@ -50,6 +50,7 @@ logger = logging.getLogger("raylastic")
 
 LEASE_FILE = ".raylastic_lease.json"
 DEFAULT_TTL_S = 30.0
+RELEASE_WAIT_S = 2.0  # how long fit() waits, at most, for the lease's last writes
 _DIR_EPOCH = re.compile(r"^checkpoint_\d+-e(\d+)$")
 
 
@@ -137,13 +138,26 @@ class RunLease:
             self.epoch = max(self.epoch, int(epoch))
 
     def release(self) -> None:
-        """Stop renewing and mark the lease released (kept: it carries the epoch floor)."""
+        """Stop renewing and mark the lease released (kept: it carries the epoch floor).
+
+        Waits at most ``RELEASE_WAIT_S`` for each step: when the store is down (the run may
+        have failed for that very reason) ``fit()`` returns at once and the lease simply
+        expires ``ttl_s`` after its last renewal."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=max(5.0, self.ttl_s))
-            self._thread = None
+        renewer, self._thread = self._thread, None
+        if renewer is not None:
+            renewer.join(timeout=RELEASE_WAIT_S)
+            if renewer.is_alive():  # a renewal stuck on the store could land after our release
+                logger.warning("lease on %s not released (the store is not answering); it expires in "
+                               "%.0f s", self._run, self.ttl_s)
+                return
         if self.lost is not None:
             return  # someone else holds it now: never write over their record
+        writer = threading.Thread(target=self._write_released, name="raylastic-lease-release", daemon=True)
+        writer.start()
+        writer.join(timeout=RELEASE_WAIT_S)
+
+    def _write_released(self) -> None:
         try:
             cur = self._read()
             if cur is None or cur.token == self.token:

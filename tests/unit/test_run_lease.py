@@ -223,3 +223,22 @@ def test_a_killed_holder_is_taken_over_within_the_lease_ttl(tmp_path):
     took = time.monotonic() - killed
     heir.release()
     assert took <= 3.0 + 1.5, took
+
+
+def test_release_does_not_wait_out_a_store_that_is_down(tmp_path):
+    """A run that failed because its store is down must not then block in release(): the
+    lease is left to expire instead."""
+    import time
+
+    store = ObjectStore()
+    lease = RunLease(store, "run", ttl_s=30, settle_s=0)
+    lease.acquire()
+
+    def hang(rel, data=None):
+        time.sleep(60)  # an outage under the storage retry policy
+
+    store.read_bytes = hang
+    store.write_bytes = hang
+    t0 = time.monotonic()
+    lease.release()
+    assert time.monotonic() - t0 < 2 * 2.0 + 1.0
