@@ -32,8 +32,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from raylastic._internal.sharded import (ROOT, Chunk, PeerExchange, _dtype, fill_from_files, holders_for,
-                                         layout_fingerprint, reshard_from_memory)
+from raylastic._internal.peer_exchange import PeerExchange, holders_for
+from raylastic._internal.sharded import ROOT, Chunk, _dtype, fill_from_files, layout_fingerprint, reshard_from_memory
 from raylastic._internal.snapshot_copy import PendingCopy, nbytes, plan_copy
 
 logger = logging.getLogger("raylastic")

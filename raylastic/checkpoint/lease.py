@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import os
-import re
 import secrets
 import socket
 import threading
@@ -44,6 +43,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
+from raylastic.checkpoint.manager import CHECKPOINT_DIR
 from raylastic.errors import RunInUseError
 
 logger = logging.getLogger("raylastic")
@@ -51,7 +51,6 @@ logger = logging.getLogger("raylastic")
 LEASE_FILE = ".raylastic_lease.json"
 DEFAULT_TTL_S = 30.0
 RELEASE_WAIT_S = 2.0  # how long fit() waits, at most, for the lease's last writes
-_DIR_EPOCH = re.compile(r"^checkpoint_\d+-e(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -86,9 +85,9 @@ def highest_checkpoint_epoch(storage, run_rel: str) -> int:
     """The highest ``-e<epoch>`` among the run's checkpoint directories, committed or not."""
     best = 0
     for name in storage.list_dir(f"{run_rel}/checkpoints"):
-        m = _DIR_EPOCH.match(name)
+        m = CHECKPOINT_DIR.match(name)  # the manager's own name pattern
         if m:
-            best = max(best, int(m.group(1)))
+            best = max(best, int(m.group(2)))
     return best
 
 

@@ -33,7 +33,7 @@ logger = logging.getLogger("raylastic")
 
 MANIFEST = ".raylastic_manifest.json"
 SCHEMA_VERSION = 1
-_DIR_RE = re.compile(r"^checkpoint_(\d+)-e(\d+)$")
+CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d+)-e(\d+)$")  # index, membership epoch
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def committed_checkpoints(storage, run_rel: str) -> List[CommittedCheckpoint]:
     directory = f"{run_rel}/checkpoints"
     found = []
     for name in storage.list_dir(directory):
-        if _DIR_RE.match(name):
+        if CHECKPOINT_DIR.match(name):
             ckpt = _read_manifest(storage, f"{directory}/{name}")
             if ckpt is not None:
                 found.append(ckpt)
@@ -292,7 +292,7 @@ class CheckpointManager:
         """Whether ``rel`` is exactly ``<run>/checkpoints/<checkpoint dir>``: retention and
         cleanup delete nothing else (names are compared whole, never as patterns)."""
         head, sep, name = rel.rpartition("/")
-        return bool(sep) and head == self._dir and _DIR_RE.fullmatch(name) is not None
+        return bool(sep) and head == self._dir and CHECKPOINT_DIR.fullmatch(name) is not None
 
     def delete_uncommitted(self) -> None:
         """Remove directories no group can commit any more (writers are all stopped).
