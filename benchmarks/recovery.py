@@ -19,7 +19,11 @@ and every number below is computed from that file and the driver's own timestamp
 - steady_step_s: median step time at world size 3 before the loss
 - plain torch DDP: median step time of the same model/batch in 3 gloo processes
 
-Writes benchmarks/results/recovery.json. Usage: python benchmarks/recovery.py [--quick]
+``--cuda``: the model and batches live on the machine's GPU (every rank on the same one,
+so the collectives stay gloo for both frameworks: NCCL refuses two ranks on one GPU). The
+snapshot is then a device-to-host copy and the restore a host-to-device one.
+
+Writes benchmarks/results/recovery.json. Usage: python benchmarks/recovery.py [--quick] [--cuda]
 """
 
 from __future__ import annotations
@@ -213,18 +217,19 @@ def _ddp_worker(rank: int, world: int, port: int, cfg: Dict[str, Any], steps: in
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     hidden, layers, dim, batch = cfg["hidden"], cfg["layers"], cfg["dim"], cfg["batch"]
+    device = torch.device("cuda", 0) if cfg.get("cuda") else torch.device("cpu")
     torch.manual_seed(0)
     mods = [nn.Linear(dim, hidden), nn.ReLU()]
     for _ in range(layers - 1):
         mods += [nn.Linear(hidden, hidden), nn.ReLU()]
-    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(*mods, nn.Linear(hidden, 1)))
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(*mods, nn.Linear(hidden, 1)).to(device))
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     times = []
     log = open(out + f".steps-{rank}", "a")
     for step in range(steps):
         t0 = time.perf_counter()
         g = torch.Generator().manual_seed(step * 7919 + rank)
-        x = torch.randn(batch, dim, generator=g)
+        x = torch.randn(batch, dim, generator=g).to(device)
         loss = nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).sin())
         opt.zero_grad()
         loss.backward()
@@ -272,6 +277,7 @@ def main() -> None:
     ap.add_argument("--scenarios", default="unannounced,announced",
                     help="comma list: unannounced (kill), announced (drain with --notice-s, then kill)")
     ap.add_argument("--notice-s", type=float, default=10.0)
+    ap.add_argument("--cuda", action="store_true", help="model and batches on the GPU (all ranks share GPU 0)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "recovery.json"))
     args = ap.parse_args()
     # Ray Train's report() blocks until its controller polls; give it the same 0.1 s
@@ -281,7 +287,7 @@ def main() -> None:
     from raylastic.testing.cluster import FAST_FAILURE_DETECTION, LocalCluster
 
     kill_at, between = (15, 10) if args.quick else (30, 20)
-    model = {"hidden": args.hidden, "layers": args.layers, "dim": 64, "batch": 32}
+    model = {"hidden": args.hidden, "layers": args.layers, "dim": 64, "batch": 32, **({"cuda": True} if args.cuda else {})}
     results: Dict[str, Any] = {
         "benchmark": "recovery",
         "schedule": {"min_workers": 2, "max_workers": 3, "kill_at_step": kill_at,
@@ -296,6 +302,8 @@ def main() -> None:
     import torch
 
     results["versions"] = {"ray": ray.__version__, "torch": torch.__version__}
+    if args.cuda:
+        results["machine"]["gpu"] = torch.cuda.get_device_name(0)
     makers = {"raylastic": run_raylastic, "raylastic_state": run_raylastic_state, "ray_train": run_ray_train}
     frameworks = [f for f in args.frameworks.split(",") if f and not (args.skip_ray_train and f == "ray_train")]
     scenarios = [s for s in args.scenarios.split(",") if s]

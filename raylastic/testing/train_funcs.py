@@ -99,6 +99,8 @@ def mlp_bench(config: Dict[str, Any]) -> None:
     ``config["hang_rank0_at"]``: in the first group, rank 0 hangs at that step in its
     own code (no abort reaches it; the controller replaces it), the others block in the
     step's all-reduce.
+    ``config["cuda"]``: model and batches on the process's current CUDA device (the
+    collectives stay gloo: the GPU benchmark runs every rank on one shared GPU).
     """
     import json
 
@@ -114,7 +116,8 @@ def mlp_bench(config: Dict[str, Any]) -> None:
     mods = [nn.Linear(dim, hidden), nn.ReLU()]
     for _ in range(layers - 1):
         mods += [nn.Linear(hidden, hidden), nn.ReLU()]
-    model = nn.Sequential(*mods, nn.Linear(hidden, 1))
+    device = torch.device("cuda", torch.cuda.current_device()) if config.get("cuda") else torch.device("cpu")
+    model = nn.Sequential(*mods, nn.Linear(hidden, 1)).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     start = 0
     state = None
@@ -125,7 +128,7 @@ def mlp_bench(config: Dict[str, Any]) -> None:
         ckpt = ray.train.get_checkpoint()
         if ckpt is not None:
             with ckpt.as_directory() as d:
-                saved = torch.load(os.path.join(d, "state.pt"), weights_only=True)
+                saved = torch.load(os.path.join(d, "state.pt"), weights_only=True, map_location=device)
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["opt"])
             start = int(saved["step"])
@@ -144,7 +147,7 @@ def mlp_bench(config: Dict[str, Any]) -> None:
             dist.recv(torch.zeros(1), src=(1, 2, 1)[rank])
         _maybe_hang(config, step, rank, ctx)
         g = torch.Generator().manual_seed(step * 7919 + rank)
-        x = torch.randn(batch, dim, generator=g)
+        x = torch.randn(batch, dim, generator=g).to(device)
         y = x.sum(dim=1, keepdim=True).sin()
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The checks run in a session that is lent one GPU (CI never has one). One script, so one
+# machine start covers them all; each step has its own time limit, and a failed step does
+# not stop the next. Run from the repository root:
+#
+#   OUT=/some/dir bash benchmarks/gpu_session.sh
+#
+# Needs python3 with a CUDA build of torch. Where Ray is not installed, wheels in .whl/
+# (ray 2.60.0 for that Python, its jars left out, and the few dependencies the image lacks)
+# are installed into /tmp/site first.
+#   1. tests/gpu: the CUDA snapshot copy, and NCCL training on every GPU through a Ray cluster
+#   2. benchmarks/gpu_snapshot.py: snapshot stall per step and restore on the 51.6M model
+#   3. benchmarks/recovery.py --cuda: node loss and scale-up with the model on the GPU,
+#      raylastic against Ray Train in the same run
+set -u
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import ray" 2>/dev/null && [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g | head -2;
+  python3 -c "import sys, torch, ray; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'ray', ray.__version__, 'gpus', torch.cuda.device_count())"; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc in $((SECONDS - t0)) s"; tail -n 25 "$OUT/$name.log"; }
+step gpu_tests 150 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu
+step gpu_snapshot 90 python3 benchmarks/gpu_snapshot.py --out "$OUT/gpu_snapshot.json"
+step recovery_cuda 300 python3 benchmarks/recovery.py --cuda --quick --hidden 1536 --layers 5 \
+  --scenarios unannounced --frameworks raylastic_state,raylastic,ray_train --out "$OUT/recovery_cuda.json"
+pkill -9 -f "raylet|gcs_server|ray::" 2>/dev/null
+exit 0
