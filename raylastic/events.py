@@ -63,6 +63,7 @@ class EventKind(str, enum.Enum):
     CHECKPOINT_DELETED = "checkpoint_deleted"
     CHECKPOINT_RESTORED = "checkpoint_restored"
     CHECKPOINT_INVALID = "checkpoint_invalid"  # committed but damaged: skipped on restore
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # a persisted snapshot not written: upload busy
     RUN_FINISHED = "run_finished"
     RUN_FAILED = "run_failed"
 

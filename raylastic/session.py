@@ -23,6 +23,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 from ray.air._internal.filelock import TempFileLock
 from ray.train import Checkpoint
 
+from raylastic.checkpoint.retry import TransientStorageError
 from raylastic.errors import CheckpointError
 
 
@@ -78,6 +79,7 @@ class ReportRecord:
     stage_s: float = 0.0  # time report() spent copying the files locally (the stall)
     wait_s: float = 0.0  # time report() waited for the previous upload (back-pressure)
     upload_s: float = 0.0  # background upload time
+    persist_skipped: Optional[str] = None  # why a persisted ElasticState snapshot was not written
 
 
 class TrainContext:
@@ -134,6 +136,7 @@ class Session:
         self.uploader = uploader
         self.async_upload = async_upload
         self._upload_error: Optional[BaseException] = None
+        self._skip_next: Optional[str] = None  # the next record is a skipped persisted snapshot (why)
         self.storage = storage
         self.run_rel = run_rel
         self.context = TrainContext(spec, run_name, restore.restart_count)
@@ -170,10 +173,29 @@ class Session:
             record.checkpoint_rel = checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
             record.wait_s = self.uploader.submit_lazy(
                 writer, f"e{self.spec.epoch}-{record.index}-r{self.spec.rank}", record.checkpoint_rel,
-                self._on_uploaded(record))
+                self._on_uploaded(record, snapshot=True))
         else:
             self._append(record)
         self._maybe_stop(record.index)
+
+    def persist_busy(self) -> bool:
+        """For ``ElasticState.commit``: skip this persisted snapshot instead of waiting?
+
+        Yes when the previous upload is still running (retrying through a storage outage,
+        say), uploads are asynchronous, and other members hold the state in memory: waiting
+        would block training on storage while memory already covers a node loss. The
+        skipped index is reported (``checkpoint_skipped``) and never committed; the next
+        persisted snapshot tries again. A group of one waits: its memory is its only copy.
+        """
+        busy = bool(self.async_upload and self.uploader is not None and self.uploader.pending
+                    and self._memory_covers())
+        self._skip_next = "the previous upload was still running" if busy else None
+        return busy
+
+    def _memory_covers(self) -> bool:
+        """Other members hold this state in memory (ElasticState snapshots), so a node
+        loss does not need storage."""
+        return self.spec.world_size > 1
 
     def _next_record(self, metrics: Dict[str, Any]) -> ReportRecord:
         if self._abort.is_set():
@@ -182,8 +204,9 @@ class Session:
         with self._lock:
             self._index += 1
             index = self._index
+        skipped, self._skip_next = self._skip_next, None
         return ReportRecord(index=index, rank=self.spec.rank, epoch=self.spec.epoch, ts=time.time(),
-                            metrics=dict(metrics or {}))
+                            metrics=dict(metrics or {}), persist_skipped=skipped)
 
     def _maybe_stop(self, index: int) -> None:
         """Unwind after this report if the controller asked for it (resize, abort)."""
@@ -192,14 +215,22 @@ class Session:
         if stop or self._abort.is_set():
             raise StopTraining(f"stop after report {index}")
 
-    def _on_uploaded(self, record: ReportRecord):
+    def _on_uploaded(self, record: ReportRecord, snapshot: bool = False):
         """Upload callback: the record reaches the controller only once its files are in
-        storage, so the controller can never commit a checkpoint still in flight."""
+        storage, so the controller can never commit a checkpoint still in flight. An
+        ElasticState snapshot that memory covers and that storage could not take within
+        the retry policy (an outage) is skipped, not a failure; other errors (a permanent
+        one: credentials, a missing bucket) fail the attempt as for any checkpoint."""
         def done(res) -> None:
             record.upload_s = res.upload_s
             if res.files:
                 record.files = [list(f) for f in res.files]
-            if res.error is not None:
+            if (res.error is not None and snapshot and isinstance(res.error, TransientStorageError)
+                    and self._memory_covers()):
+                record.persist_skipped = f"its upload failed: {res.error}"
+                record.checkpoint_rel, record.files = None, []
+                self._append(record)
+            elif res.error is not None:
                 self._upload_error = CheckpointError(
                     f"rank {self.spec.rank}: could not persist checkpoint {record.index} to "
                     f"{self.storage.uri}/{record.checkpoint_rel}: {res.error}")

@@ -366,7 +366,7 @@ class ElasticState:
         sess = self._sess
         index = sess.current_index() + 1
         every = self._persist_every or sess.persist_every
-        persist = bool(every and index % every == 0)
+        persist = bool(every and index % every == 0) and not sess.persist_busy()  # busy: skipped
         # A stop was asked for (a resize, a drain): snapshot every commit from now on,
         # whole (see _holding), so the stop index is a restore point whoever leaves.
         # (Sharded state: every rank must take the same snapshots, their peer copies pair up.)

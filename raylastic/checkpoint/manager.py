@@ -224,6 +224,11 @@ class CheckpointManager:
 
     def _commit(self, index: int, by_rank: Dict[int, ReportRecord],
                 inferred: Optional[List[int]] = None) -> Optional[CommittedCheckpoint]:
+        skipped = {r.rank: r.persist_skipped for r in by_rank.values() if r.persist_skipped}
+        if skipped:  # (other ranks' shards of it stay uncommitted: delete_uncommitted removes them)
+            self._events.emit(EventKind.CHECKPOINT_SKIPPED, index=index, epoch=self._epoch, ranks=sorted(skipped),
+                              reason=f"rank {min(skipped)}: {skipped[min(skipped)]}; memory holds the state")
+            return None
         with_ckpt = [r for r in by_rank.values() if r.checkpoint_rel]
         if not with_ckpt:
             return None

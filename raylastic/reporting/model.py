@@ -196,6 +196,7 @@ def _checkpoints(events, t0: float) -> Dict[str, Any]:
         "restored": sum(1 for e in events if kind_of(e) is EventKind.CHECKPOINT_RESTORED),
         "deleted": sum(1 for e in events if kind_of(e) is EventKind.CHECKPOINT_DELETED),
         "invalid": sum(1 for e in events if kind_of(e) is EventKind.CHECKPOINT_INVALID),
+        "skipped": sum(1 for e in events if kind_of(e) is EventKind.CHECKPOINT_SKIPPED),
         "bytes_total": stat("bytes", sum), "bytes_last": items[-1]["bytes"] if items else None,
         "sync_s_mean": stat("sync_s", statistics.fmean), "sync_s_max": stat("sync_s", max),
         "sync_s_total": stat("sync_s", sum),

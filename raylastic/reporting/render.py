@@ -126,6 +126,7 @@ def _limited(lines: List[str], max_rows: int) -> List[str]:
 def _checkpoint_lines(r: RunReport) -> List[str]:
     c = r.checkpoints
     invalid = f", {c['invalid']} found damaged" if c.get("invalid") else ""
+    invalid += f", {c['skipped']} skipped (upload busy)" if c.get("skipped") else ""
     if not c["count"]:
         return [f"Checkpoints: none committed ({c['restored']} restored{invalid})"]
     lines = [f"Checkpoints: {c['count']} committed, {c['restored']} restored, {c['deleted']} "
