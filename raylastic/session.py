@@ -17,12 +17,14 @@ import collections
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional
 
 from ray.air._internal.filelock import TempFileLock
 from ray.train import Checkpoint
 
+# The values a session hands the controller live with the rest of the worker <-> controller
+# protocol; imported here too, where code has always found them.
+from raylastic._internal.protocol import GroupSpec, ReportRecord, RestoreInfo  # noqa: F401
 from raylastic.checkpoint.retry import TransientStorageError
 from raylastic.errors import CheckpointError
 
@@ -33,53 +35,6 @@ class StopTraining(BaseException):
     A ``BaseException`` so that a train function's ``except Exception`` does not
     swallow it.
     """
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """One worker's place in one membership epoch."""
-
-    epoch: int
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    master_addr: str
-    master_port: int
-    backend: str
-    timeout_s: float = 60.0
-    # Shards of the replicated training state this rank copies into its ElasticState
-    # snapshots (``_internal/stripes.py``), out of ``world_size``; empty: all of it.
-    stripe: Tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class RestoreInfo:
-    """The committed checkpoint an attempt starts from (None fields: fresh start)."""
-
-    checkpoint_rel: Optional[str] = None  # run-relative path of the checkpoint dir
-    index: int = 0  # report index training resumes after
-    restart_count: int = 0
-    memory_index: Optional[int] = None  # restore ElasticState from this in-memory snapshot
-    broadcast: bool = False  # some ranks lack (part of) that snapshot: holders send it
-
-
-@dataclass
-class ReportRecord:
-    """One ``report()`` call as the controller sees it."""
-
-    index: int  # global report index (continues across restarts from the checkpoint's)
-    rank: int
-    epoch: int
-    ts: float
-    metrics: Dict[str, Any]
-    checkpoint_rel: Optional[str] = None
-    files: List[Any] = field(default_factory=list)  # (relative path, size, "crc32:...")
-    stage_s: float = 0.0  # time report() spent copying the files locally (the stall)
-    wait_s: float = 0.0  # time report() waited for the previous upload (back-pressure)
-    upload_s: float = 0.0  # background upload time
-    persist_skipped: Optional[str] = None  # why a persisted ElasticState snapshot was not written
 
 
 class TrainContext:
@@ -182,20 +137,17 @@ class Session:
         """For ``ElasticState.commit``: skip this persisted snapshot instead of waiting?
 
         Yes when the previous upload is still running (retrying through a storage outage,
-        say), uploads are asynchronous, and other members hold the state in memory: waiting
-        would block training on storage while memory already covers a node loss. The
-        skipped index is reported (``checkpoint_skipped``) and never committed; the next
-        persisted snapshot tries again. A group of one waits: its memory is its only copy.
+        say) and uploads are asynchronous: waiting would block training on storage. Skipping
+        never makes a state durable later than waiting would: the upload in flight goes on
+        either way, and the steps trained meanwhile exist only because training did not
+        wait (a node loss then redoes at most those). With two or more members, memory also
+        covers a node loss meanwhile. The skipped index is reported (``checkpoint_skipped``)
+        and never committed; the next persisted snapshot tries again.
+        ``CheckpointConfig(async_upload=False)`` waits, as asked.
         """
-        busy = bool(self.async_upload and self.uploader is not None and self.uploader.pending
-                    and self._memory_covers())
+        busy = bool(self.async_upload and self.uploader is not None and self.uploader.pending)
         self._skip_next = "the previous upload was still running" if busy else None
         return busy
-
-    def _memory_covers(self) -> bool:
-        """Other members hold this state in memory (ElasticState snapshots), so a node
-        loss does not need storage."""
-        return self.spec.world_size > 1
 
     def _next_record(self, metrics: Dict[str, Any]) -> ReportRecord:
         if self._abort.is_set():
@@ -218,15 +170,16 @@ class Session:
     def _on_uploaded(self, record: ReportRecord, snapshot: bool = False):
         """Upload callback: the record reaches the controller only once its files are in
         storage, so the controller can never commit a checkpoint still in flight. An
-        ElasticState snapshot that memory covers and that storage could not take within
-        the retry policy (an outage) is skipped, not a failure; other errors (a permanent
-        one: credentials, a missing bucket) fail the attempt as for any checkpoint."""
+        ElasticState snapshot that storage could not take within the retry policy (an
+        outage: the store answered at ``fit()``, the lease needs it) is skipped, not a
+        failure: the state is still in memory and the next persisted snapshot tries again.
+        Other errors (a permanent one: credentials, a missing bucket) fail the attempt as
+        for any checkpoint."""
         def done(res) -> None:
             record.upload_s = res.upload_s
             if res.files:
                 record.files = [list(f) for f in res.files]
-            if (res.error is not None and snapshot and isinstance(res.error, TransientStorageError)
-                    and self._memory_covers()):
+            if res.error is not None and snapshot and isinstance(res.error, TransientStorageError):
                 record.persist_skipped = f"its upload failed: {res.error}"
                 record.checkpoint_rel, record.files = None, []
                 self._append(record)

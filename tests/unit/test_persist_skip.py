@@ -1,5 +1,5 @@
 """A persisted ElasticState snapshot whose upload would have to wait for the previous one
-(storage down, uploads retrying) is skipped, not waited for, when memory covers the state;
+(storage down, uploads retrying) is skipped, not waited for;
 the controller reports it and never commits it. No Ray: a real Session, AsyncUploader and
 CheckpointManager on local storage whose upload is held open."""
 
@@ -78,11 +78,11 @@ def test_a_busy_upload_skips_the_persisted_snapshot_instead_of_blocking_training
     t.join(5)
 
 
-@pytest.mark.parametrize("world,async_upload", [(1, True), (2, False)])
-def test_no_skip_where_memory_does_not_cover_or_uploads_are_synchronous(held, world, async_upload):
-    """A group of one holds its only copy in memory; async_upload=False asked to wait."""
+@pytest.mark.parametrize("world", [1, 2])
+def test_synchronous_uploads_wait_as_asked(held, world):
+    """CheckpointConfig(async_upload=False): training waits for every upload."""
     storage, gate, tmp = held
-    sess = _session(storage, tmp, world=world, async_upload=async_upload)
+    sess = _session(storage, tmp, world=world, async_upload=False)
     t, done = _train(4, sess)
     assert not done.wait(1.0)  # blocked behind the held upload, as asked
     gate.set()
@@ -91,6 +91,17 @@ def test_no_skip_where_memory_does_not_cover_or_uploads_are_synchronous(held, wo
     records = sess.drain()
     assert not any(r.persist_skipped for r in records)
     assert sorted(r.index for r in records if r.checkpoint_rel) == [2, 4]
+    t.join(5)
+
+
+def test_a_group_of_one_skips_too(held):
+    """Waiting would not make anything durable sooner: the upload in flight goes on."""
+    storage, gate, tmp = held
+    sess = _session(storage, tmp, world=1)
+    t, done = _train(4, sess)
+    assert done.wait(20), "training blocked on the held upload"
+    assert [r.index for r in sess.drain() if r.persist_skipped] == [4]
+    gate.set()
     t.join(5)
 
 
@@ -118,11 +129,11 @@ def test_the_controller_reports_a_skipped_index_and_never_commits_it(tmp_path):
 
 
 @pytest.mark.parametrize("world,error,skipped", [
-    (2, "transient", True),   # an outage outlasting the retries: memory covers, skip it
+    (2, "transient", True),   # an outage outlasting the retries: skip it, memory holds the state
+    (1, "transient", True),
     (2, "permanent", False),  # credentials, a missing bucket: fail as any checkpoint would
-    (1, "transient", False),  # a group of one: storage is its only other copy
 ])
-def test_a_snapshot_upload_that_fails_is_skipped_only_for_an_outage_memory_covers(tmp_path, world, error, skipped):
+def test_a_snapshot_upload_that_fails_is_skipped_only_for_an_outage(tmp_path, world, error, skipped):
     from raylastic.checkpoint.retry import PermanentStorageError, TransientStorageError
     from raylastic.errors import CheckpointError
 
