@@ -1,0 +1,158 @@
+"""The worker <-> controller protocol: every value that crosses between a worker actor
+and the controller, in one place.
+
+Why one module: the controller and the workers run in different processes, often on
+different nodes, and exchange these objects over Ray (pickled). Keeping them typed (frozen
+dataclasses, ``TypedDict`` where a plain mapping is the natural wire form) lets mypy check
+both ends, and the version lets a worker on a node with another raylastic install be refused
+with a clear error instead of failing later on a missing field.
+
+Torch-free and Ray-free, so the controller (and its fake group in unit tests) can use them
+without importing either.
+
+Glossary: a *record* is one ``report()`` as the controller sees it; a *spec* is one
+worker's place in one membership epoch; *holdings* are the in-memory snapshots a worker
+has; a *poll* is the controller's periodic question to each worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, TypedDict
+
+from raylastic._internal.holdings import Holding
+
+# Bump when a type below changes shape: workers report it in ``WorkerInfo`` and the pool
+# refuses a worker whose version differs from the controller's.
+PROTOCOL_VERSION = 1
+
+
+class WorkerInfo(TypedDict):
+    """What a worker actor answers once it is up (``TrainWorker.info``)."""
+
+    node_id: str
+    node_type: Optional[str]
+    market: Optional[str]
+    ip: str
+    hostname: str
+    pid: int
+    actor_id: Optional[str]
+    gpu_ids: List[str]
+    protocol: int
+    raylastic_version: str
+
+
+class StoreAddress(TypedDict):
+    """Where rank 0 hosts the group's rendezvous store (``TrainWorker.host_store``)."""
+
+    addr: str
+    port: int
+
+
+class ExportedShards(TypedDict):
+    """A worker's shards of one in-memory snapshot, for another worker to merge
+    (``TrainWorker.export_snapshot`` -> ``merge_snapshot``)."""
+
+    holding: Holding
+    leaves: Dict[int, Any]  # leaf position -> tensor
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One worker's place in one membership epoch."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    backend: str
+    timeout_s: float = 60.0
+    # Shards of the replicated training state this rank copies into its ElasticState
+    # snapshots (``_internal/stripes.py``), out of ``world_size``; empty: all of it.
+    stripe: Tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    """The committed checkpoint an attempt starts from (None fields: fresh start)."""
+
+    checkpoint_rel: Optional[str] = None  # run-relative path of the checkpoint dir
+    index: int = 0  # report index training resumes after
+    restart_count: int = 0
+    memory_index: Optional[int] = None  # restore ElasticState from this in-memory snapshot
+    broadcast: bool = False  # some ranks lack (part of) that snapshot: holders send it
+
+
+@dataclass
+class ReportRecord:
+    """One ``report()`` call as the controller sees it."""
+
+    index: int  # global report index (continues across restarts from the checkpoint's)
+    rank: int
+    epoch: int
+    ts: float
+    metrics: Dict[str, Any]
+    checkpoint_rel: Optional[str] = None
+    files: List[Any] = field(default_factory=list)  # (relative path, size, "crc32:...")
+    stage_s: float = 0.0  # time report() spent copying the files locally (the stall)
+    wait_s: float = 0.0  # time report() waited for the previous upload (back-pressure)
+    upload_s: float = 0.0  # background upload time
+    persist_skipped: Optional[str] = None  # why a persisted ElasticState snapshot was not written
+
+
+class WorkerStatus:
+    IDLE = "idle"
+    RUNNING = "running"
+    FINISHED = "finished"  # train function returned
+    STOPPED = "stopped"  # unwound for a resize (StopTraining) or aborted
+    ERROR = "error"  # train function raised
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """Complete in-memory snapshots a worker holds, and which of them are striped."""
+
+    snapshots: List[int] = field(default_factory=list)
+    stripes: Dict[int, Holding] = field(default_factory=dict)  # index -> holding, if not whole
+
+
+@dataclass
+class PollResult:
+    status: str
+    epoch: int
+    records: List[ReportRecord] = field(default_factory=list)
+    error: Optional[str] = None
+    traceback: str = ""
+    index: int = 0
+    return_value: Any = None
+    holdings: Holdings = field(default_factory=Holdings)
+
+
+@dataclass(frozen=True)
+class StopAnswer:
+    """Answer to ``request_stop_at(index)``: ``ok`` False when the worker is already past
+    ``index`` (then ``index`` is where it is, to pick a later stop)."""
+
+    ok: bool
+    index: int
+
+
+@dataclass(frozen=True)
+class PersistedSnapshot:
+    """An in-memory snapshot written to storage by ``persist_snapshot``."""
+
+    rel: str
+    files: List[Any]
+    upload_s: float
+
+
+
+
+__all__ = [
+    "PROTOCOL_VERSION", "ExportedShards", "GroupSpec", "Holdings", "PersistedSnapshot", "PollResult",
+    "ReportRecord", "RestoreInfo", "StopAnswer", "StoreAddress", "WorkerInfo", "WorkerStatus",
+]
