@@ -153,6 +153,7 @@ if os.path.exists(os.path.join(_TESTS, "util.py")):
 for _name in ("lightning_test_utils.py",):
     if os.path.exists(os.path.join(_TESTS, _name)):
         _MODULES["ray.train.v2.tests." + _name[:-3]] = os.path.join(_TESTS, _name)
+        _MODULES["ray.train.tests." + _name[:-3]] = os.path.join(_TESTS, _name)  # (where the Lightning test imports it)
 _patched = False
 
 

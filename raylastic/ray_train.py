@@ -14,6 +14,8 @@ committed checkpoints.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import os
 from dataclasses import dataclass, field
@@ -27,12 +29,15 @@ from ray.train.v2.api.result import Result as RayResult
 from raylastic import session as _session
 from raylastic._internal.ray_train_checkpoints import Retention, write_ray_snapshot
 from raylastic._internal.ray_train_errors import as_ray_error
+from raylastic._internal.ray_train_hooks import RayTrainHooks
+from raylastic._internal.ray_train_local import LocalRun, is_local_mode
+from raylastic._internal.ray_train_local import check_config as check_local_config
 from raylastic.checkpoint import scoring
 from raylastic.checkpoint.manager import committed_checkpoints
 from raylastic.checkpoint.storage import Storage
 from raylastic.config import CheckpointConfig
 from raylastic.errors import ConfigError, TrainingFailedError
-from raylastic.ray_train_config import translate
+from raylastic.ray_train_config import Translation, translate
 from raylastic.session import StorageCheckpoint
 from raylastic.trainer import ElasticTrainer
 from raylastic.trainer import Result as ElasticResult
@@ -67,9 +72,13 @@ class TorchTrainer:
             ``prepare_data_loader`` work unchanged).
         train_loop_config: the dict passed to it.
         torch_config: ``ray.train.torch.TorchConfig``; only its defaults can be kept
-            (gloo on CPU, NCCL on GPU).
+            (gloo on CPU, NCCL on GPU). Or any other ``ray.train.backend.BackendConfig``
+            (what Ray's ``DataParallelTrainer(backend_config=...)`` takes): its backend's
+            ``on_start`` / ``on_training_start`` / ``on_shutdown`` run around every group
+            formed, and its ``train_func_context`` around the train function.
         scaling_config: ``ray.train.ScalingConfig``; ``num_workers=n`` or ``(min, max)``.
-        run_config: ``ray.train.RunConfig`` with its ``FailureConfig`` and ``CheckpointConfig``.
+        run_config: ``ray.train.RunConfig`` with its ``FailureConfig`` and ``CheckpointConfig``;
+            its ``callbacks`` (``ray.train.UserCallback``) are called as Ray Train calls them.
         datasets: ``{name: ray.data.Dataset}``; ``ray.train.get_dataset_shard(name)`` in the
             train function returns this rank's iterator. Split datasets keep a position
             that survives resizes (docs/data.md, "Ray Data input").
@@ -100,14 +109,25 @@ class TorchTrainer:
             raise ConfigError(
                 "TorchTrainer(metadata=...) is not supported (Ray Train 2.x deprecated it too). "
                 "Fix: pass the values in train_loop_config, or save them in your checkpoints.")
+        self._local: Optional[LocalRun] = None
+        if is_local_mode(scaling_config):  # num_workers=0: Ray Train's local mode (_internal/ray_train_local.py)
+            self.scaling_config, self.run_config, self.train_loop_config = scaling_config, run_config, train_loop_config
+            self.translation = check_local_config(scaling_config, run_config, torch_config)
+            if resume_from_checkpoint is not None:
+                _check_checkpoint(resume_from_checkpoint)
+            self._local = LocalRun(train_loop_per_worker, train_loop_config, torch_config,
+                                   cast(str, self.translation.run.name), datasets, resume_from_checkpoint)
+            return
         translation = translate(scaling_config, run_config, torch_config)
         for note in translation.ignored:
             logger.info("TorchTrainer: %s", note)
         if resume_from_checkpoint is not None:
             _check_checkpoint(resume_from_checkpoint)
         ship_by_value(train_loop_per_worker)
+        backend = translation.backend
         func = ResumeFrom(train_loop_per_worker, resume_from_checkpoint,
-                          Retention.of(translation.run.checkpoint_config))
+                          Retention.of(translation.run.checkpoint_config),
+                          context=backend.train_func_context if backend is not None else None)
         self.scaling_config = scaling_config
         self.run_config = run_config
         self.train_loop_config = train_loop_config
@@ -115,13 +135,25 @@ class TorchTrainer:
         self._trainer = ElasticTrainer(func, train_loop_config=train_loop_config,
                                        scaling_config=translation.scaling, run_config=translation.run,
                                        datasets=datasets, dataset_config=dataset_config)
+        if backend is not None or translation.callbacks:
+            self._trainer._hooks = RayTrainHooks(
+                backend, translation.callbacks,
+                run_context(translation, scaling_config, run_config, torch_config, train_loop_config, dataset_config),
+                translation.run.storage_path, translation.scaling.worker_resources())
 
     def fit(self) -> TorchTrainerResult:
         """Train; raise the error that ended training (as Ray Train's ``fit`` does): a
         ``raylastic.TrainingFailedError`` that is also a ``ray.train.TrainingFailedError``
         (``WorkerGroupError`` when ranks failed, ``ControllerError`` otherwise),
         ``InsufficientCapacityError``, ``TrainingAborted``. Either way the run directory gets
-        Ray's checkpoint-manager snapshot, so ``ray.train.Result.from_path`` reads it."""
+        Ray's checkpoint-manager snapshot, so ``ray.train.Result.from_path`` reads it.
+        In local mode (``num_workers=0``) the train function runs here, its own exception
+        propagates, and nothing is written to storage (``path`` is None), as in Ray Train."""
+        if self._local is not None:
+            out = self._local.run()
+            return TorchTrainerResult(metrics=out.metrics, checkpoint=out.checkpoint, error=None,
+                                      path=cast(Any, None), return_value=out.return_value,
+                                      world_sizes=[out.world_size])
         run = self.translation.run
         try:
             result = self._trainer.fit()
@@ -188,13 +220,16 @@ class ResumeFrom:
     """The train function as a worker runs it: ``checkpoint`` (``resume_from_checkpoint``,
     or None) is what ``get_checkpoint()`` returns until the run commits a checkpoint of its
     own (then, after any restart, that one wins); ``retention`` is the run's
-    ``CheckpointConfig`` rules, which ``ray.train.get_all_reported_checkpoints()`` applies."""
+    ``CheckpointConfig`` rules, which ``ray.train.get_all_reported_checkpoints()`` applies;
+    ``context`` (a custom ``BackendConfig``'s ``train_func_context``) is entered around the
+    train function, as Ray Train's workers do."""
 
     def __init__(self, func: Callable, checkpoint: Optional[Checkpoint] = None,
-                 retention: Optional[Retention] = None):
+                 retention: Optional[Retention] = None, context: Optional[Callable] = None):
         self.func = func
         self.checkpoint = checkpoint
         self.retention = retention or Retention()
+        self.context = context
 
     def __call__(self, config: Dict[str, Any]) -> Any:
         # Here, not at the top: the worker module imports torch (it is loaded already in
@@ -205,7 +240,26 @@ class ResumeFrom:
         if self.checkpoint is not None:
             _session._get_session().initial_checkpoint = self.checkpoint
         ray_train_compat.set_retention(self.retention)
-        return _call(self.func, config)
+        with (self.context or contextlib.nullcontext)():
+            return _call(self.func, config)
+
+
+def run_context(translation: Translation, scaling_config: Any, run_config: Any, torch_config: Any,
+                train_loop_config: Optional[Dict[str, Any]], dataset_config: Any) -> Any:
+    """Ray Train's ``TrainRunContext`` of this trainer (the ``run_context`` its
+    ``UserCallback``s get): the configs as given, Ray's defaults for those left out, and the
+    run's name as raylastic runs it."""
+    from ray.train import DataConfig
+    from ray.train.torch import TorchConfig
+    from ray.train.v2._internal.execution.context import TrainRunContext
+    from ray.train.v2.api.config import RunConfig as RayRunConfig, ScalingConfig as RayScalingConfig
+
+    rc = copy.copy(run_config) if run_config is not None else RayRunConfig()
+    rc.name = translation.run.name or rc.name
+    return TrainRunContext(run_config=rc, train_loop_config=train_loop_config,
+                           scaling_config=scaling_config if scaling_config is not None else RayScalingConfig(),
+                           backend_config=torch_config if torch_config is not None else TorchConfig(),
+                           dataset_config=dataset_config if dataset_config is not None else DataConfig())
 
 
 def _snapshot(run: Any) -> None:

@@ -1,8 +1,10 @@
 """Ray Train's own configs, translated field by field into raylastic's.
 
 ``raylastic.TorchTrainer`` takes ``ray.train.ScalingConfig`` / ``RunConfig`` (with its
-``FailureConfig`` and ``CheckpointConfig``) and ``ray.train.torch.TorchConfig``. Every
-field of those classes (ray 2.60) is one of:
+``FailureConfig`` and ``CheckpointConfig``) and ``ray.train.torch.TorchConfig`` (or any
+other ``ray.train.backend.BackendConfig``, whose ``Backend`` hooks then run around each
+group: ``raylastic/_internal/ray_train_hooks.py``). Every field of those classes (ray 2.60)
+is one of:
 
 - honoured: translated into ``raylastic.ScalingConfig`` / ``RunConfig``;
 - ignored, with a reason: it asks for nothing raylastic does differently, or it only
@@ -53,9 +55,15 @@ class Ignored:
 
 @dataclass(frozen=True)
 class Translation:
+    """raylastic's configs, what was ignored, and the Ray Train code the controller must
+    call: ``backend`` (a ``BackendConfig`` whose hooks run, None on raylastic's TorchConfig
+    path) and ``callbacks`` (``ray.train.UserCallback``s)."""
+
     scaling: ScalingConfig
     run: RunConfig
     ignored: Tuple[Ignored, ...] = ()
+    backend: Any = None
+    callbacks: Tuple[Any, ...] = ()
 
 
 def translate(scaling_config: Optional[RayScalingConfig], run_config: Optional[RayRunConfig],
@@ -68,10 +76,11 @@ def translate(scaling_config: Optional[RayScalingConfig], run_config: Optional[R
     ignored: List[Ignored] = []
     scaling = translate_scaling(scaling_config, ignored)
     run = translate_run(run_config, ignored)
+    callbacks = check_callbacks(run_config.callbacks)
     # use_gpu is a real bool here (translate_scaling refused anything else); Ray's type also
     # admits Tune search spaces
-    check_torch_config(torch_config, cast(bool, scaling_config.use_gpu), ignored)
-    return Translation(scaling=scaling, run=run, ignored=tuple(ignored))
+    backend = check_torch_config(torch_config, cast(bool, scaling_config.use_gpu), ignored)
+    return Translation(scaling=scaling, run=run, ignored=tuple(ignored), backend=backend, callbacks=callbacks)
 
 
 def _check_type(obj: Any, cls: type, arg: str, example: str) -> None:
@@ -141,8 +150,9 @@ def parse_num_workers(num_workers: Any) -> Tuple[int, int]:
         if num_workers == 0:
             raise ConfigError(
                 "ray.train.ScalingConfig.num_workers=0 (Ray Train's local mode: the train function "
-                "runs in the driver process) is not supported by raylastic. Fix: num_workers=1 runs "
-                "one worker actor, or call the train function directly to debug it.")
+                "runs in the driver process) has no worker group to translate; raylastic.TorchTrainer "
+                "runs it itself (raylastic/_internal/ray_train_local.py). Fix: pass the config to "
+                "raylastic.TorchTrainer, or num_workers=1 for one worker actor.")
         raise ConfigError(f"ray.train.ScalingConfig.num_workers={num_workers!r} is negative. "
                           "Fix: pass an int >= 1, or a (min_workers, max_workers) tuple for elastic training.")
     if isinstance(num_workers, tuple):
@@ -211,11 +221,6 @@ def translate_run(rc: RayRunConfig, ignored: List[Ignored]) -> RunConfig:
                       "pass the full URI as storage_path (s3://bucket/path, gs://bucket/path, "
                       "abfs://container@account.dfs.core.windows.net/path) with credentials in the "
                       "environment; see docs/storage.md")
-    if rc.callbacks:
-        raise _refuse("RunConfig.callbacks", rc.callbacks,
-                      "Ray Train's controller, which calls them, does not run here",
-                      "remove callbacks; raylastic writes every report to <run>/metrics.jsonl and every "
-                      "decision to <run>/events.jsonl (docs/events.md), which a process can follow")
     if rc.worker_runtime_env:
         raise _refuse("RunConfig.worker_runtime_env", rc.worker_runtime_env,
                       "raylastic's worker actors take the job's runtime environment",
@@ -293,15 +298,25 @@ def translate_checkpoint(cc: Optional[RayCheckpointConfig], ignored: List[Ignore
                  score_order=cc.checkpoint_score_order)
 
 
-# -- TorchConfig ------------------------------------------------------------------------
+# -- torch_config: TorchConfig, or any BackendConfig -------------------------------------
 
-def check_torch_config(tc: Any, use_gpu: bool, ignored: List[Ignored]) -> None:
-    """``ray.train.torch.TorchConfig``: the backend must be the one raylastic uses."""
+def check_torch_config(tc: Any, use_gpu: bool, ignored: List[Ignored]) -> Any:
+    """``ray.train.torch.TorchConfig``: the backend must be the one raylastic uses (its
+    process group is raylastic's own; Ray's ``_TorchBackend`` does not run). Any other
+    ``BackendConfig`` (a ``TorchConfig`` subclass with its own ``backend_cls`` included) is
+    returned: its ``Backend`` hooks run around each group (``check_backend_config``)."""
     if tc is None:
-        return
+        return None
+    from ray.train.backend import BackendConfig
     from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend
 
-    _check_type(tc, TorchConfig, "torch_config", "ray.train.torch.TorchConfig(...) or leave it out")
+    if not isinstance(tc, BackendConfig):
+        raise ConfigError(f"TorchTrainer: torch_config must be a ray.train.backend.BackendConfig (usually "
+                          f"ray.train.torch.TorchConfig), got {type(tc).__module__}.{type(tc).__name__}. "
+                          "Fix: pass ray.train.torch.TorchConfig(...) or your BackendConfig, or leave it out.")
+    if not (isinstance(tc, TorchConfig) and tc.backend_cls is _TorchBackend):
+        return check_backend_config(tc, use_gpu, ignored)
     check_text(tc.init_method, "ray.train.torch.TorchConfig.init_method", fix="remove init_method")
     check_number(tc.timeout_s, "ray.train.torch.TorchConfig.timeout_s", above=0, unit="seconds",
                  fix="remove timeout_s")
@@ -319,4 +334,66 @@ def check_torch_config(tc: Any, use_gpu: bool, ignored: List[Ignored]) -> None:
     if tc.init_method != "env":
         ignored.append(Ignored("torch.TorchConfig.init_method",
                                "raylastic rendezvouses each membership epoch through its own TCPStore"))
+    return None
 
+
+def check_backend_config(bc: Any, use_gpu: bool, ignored: List[Ignored]) -> Any:
+    """A ``BackendConfig`` whose ``Backend`` hooks the controller runs (``ray_train_hooks``).
+    It travels to the controller actor, so it must pickle; its ``train_func_context``
+    wraps the train function on every worker, as in Ray Train."""
+    from ray import cloudpickle
+    from ray.train.backend import Backend
+
+    name = type(bc).__name__
+    try:
+        backend_cls = bc.backend_cls
+    except Exception as e:  # noqa: BLE001 - the user's property
+        raise ConfigError(f"TorchTrainer: torch_config={name}(): its backend_cls property raised "
+                          f"{type(e).__name__}: {e}. Fix: return a ray.train.backend.Backend subclass.") from None
+    if not (isinstance(backend_cls, type) and issubclass(backend_cls, Backend)):
+        raise ConfigError(f"TorchTrainer: torch_config={name}().backend_cls must be a ray.train.backend.Backend "
+                          f"subclass, got {backend_cls!r}. Fix: return your Backend class from backend_cls.")
+    if getattr(backend_cls, "has_replica_groups", False):
+        raise _refuse(f"backend.Backend.has_replica_groups ({backend_cls.__name__})", True,
+                      "raylastic forms one flat group per membership epoch, not Ray Train's replica groups",
+                      "use a Backend without replica groups")
+    try:
+        cloudpickle.dumps(bc)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"TorchTrainer: torch_config={name}() cannot be pickled ({type(e).__name__}: {e}); "
+                          "raylastic calls its backend's hooks in its controller actor. Fix: keep unpicklable "
+                          "objects out of the BackendConfig (create them in the hooks).") from None
+    if use_gpu and getattr(backend_cls, "share_cuda_visible_devices", False):
+        ignored.append(Ignored(f"backend.Backend.share_cuda_visible_devices ({backend_cls.__name__})",
+                               "each raylastic worker sees the GPU Ray assigned it, not its node's others"))
+    return bc
+
+
+# -- RunConfig.callbacks --------------------------------------------------------------
+
+def check_callbacks(callbacks: Any) -> Tuple[Any, ...]:
+    """``ray.train.UserCallback``s, which the controller calls (``ray_train_hooks``).
+    Ray Train's internal callback types hook into its own controller and Ray Tune's into
+    Tune: neither runs here, so they are refused. Callbacks travel to the controller actor,
+    so they must pickle."""
+    from ray import cloudpickle
+    from ray.train import UserCallback
+
+    if not callbacks:
+        return ()
+    if not isinstance(callbacks, (list, tuple)):
+        raise ConfigError(f"ray.train.RunConfig.callbacks must be a list of ray.train.UserCallback, got "
+                          f"{type(callbacks).__name__}. Fix: callbacks=[MyCallback()].")
+    for i, cb in enumerate(callbacks):
+        if not isinstance(cb, UserCallback):
+            raise _refuse(f"RunConfig.callbacks[{i}]", type(cb).__name__,
+                          "raylastic calls Ray Train's UserCallback interface (after_report, after_exception); "
+                          "other callback types hook into Ray Train's own controller or Ray Tune, which do "
+                          "not run here", "subclass ray.train.UserCallback, or remove it")
+        try:
+            cloudpickle.dumps(cb)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"ray.train.RunConfig.callbacks[{i}] ({type(cb).__name__}) cannot be pickled "
+                              f"({type(e).__name__}: {e}); raylastic calls it in its controller actor. Fix: "
+                              "create clients, locks or files inside the callback's methods.") from None
+    return tuple(callbacks)

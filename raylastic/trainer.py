@@ -86,11 +86,15 @@ class ElasticTrainer:
             from raylastic.data.ray_data import validate_datasets  # imports Ray Data: only when used
 
             self._datasets, self._split = validate_datasets(datasets, dataset_config)
+        self._dataset_config = dataset_config  # its execution options: data/ray_data.py ingest_options
         self._train_func = train_func
         self._config = train_loop_config
         self._scaling = scaling_config
         self._run = run_config
         self._name = run_config.name or datetime.now().strftime("raylastic_%Y-%m-%d_%H-%M-%S")
+        # Code the controller calls at moments of the run (``_internal/controller/hooks.py``):
+        # raylastic.TorchTrainer sets Ray Train's Backend hooks and UserCallbacks here.
+        self._hooks: Optional[Any] = None
 
     @classmethod
     def restore(cls, path: str, train_func: Callable, **kwargs: Any) -> "ElasticTrainer":
@@ -150,7 +154,8 @@ class ElasticTrainer:
         if self._datasets:
             from raylastic.data.ray_data import WithDatasets, resolve_datasets, start_coordinators
 
-            plan = start_coordinators(resolve_datasets(self._datasets), self._split, {HEAD_RESOURCE: 0.001})
+            plan = start_coordinators(resolve_datasets(self._datasets), self._split, {HEAD_RESOURCE: 0.001},
+                                      self._dataset_config)
             train_func = WithDatasets(train_func, plan)
         try:
             return self._fit(storage, controller_cls, train_func, raise_on_error, fit_ts,
@@ -166,7 +171,7 @@ class ElasticTrainer:
              epoch_floor: int = 0) -> Result:
         controller = controller_cls.remote(
             train_func, self._config, self._scaling, self._run, storage, self._name, self._name,
-            fit_ts=fit_ts, epoch_floor=epoch_floor,
+            fit_ts=fit_ts, epoch_floor=epoch_floor, hooks=self._hooks,
         )
         run_ref = controller.run.remote()
         progress = ProgressLine(enabled=self._run.progress, total_steps=self._run.total_steps)

@@ -107,4 +107,13 @@ class RayTrainAdapter(TrainFnUtils):
 
 
 def install(sess: "_session.Session") -> None:
+    """Route Ray Train's API to ``sess`` in this worker process.
+
+    Also imports ``ray.train.torch``: Ray Train's own workers have it imported (they
+    unpickle ``TorchConfig`` from it), and Ray's integrations rely on that: Lightning's
+    ``RayDDPStrategy.root_device`` calls ``ray.train.torch.get_device()`` having imported only
+    ``ray.train``, which fails with "module 'ray.train' has no attribute 'torch'" where
+    nothing imported the submodule."""
+    import ray.train.torch  # noqa: F401
+
     set_train_fn_utils(RayTrainAdapter(sess))

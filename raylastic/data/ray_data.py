@@ -21,6 +21,7 @@ restore). Contract and limits: docs/data.md, "Ray Data input".
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import deque
@@ -36,7 +37,7 @@ POSITION_VERSION = 1
 
 __all__ = [
     "DataPosition", "DataPlan", "DataShards", "ElasticDataIterator", "POSITION_FILE",
-    "SplitCoordinator", "item_ranges", "validate_datasets",
+    "SplitCoordinator", "ingest_options", "item_ranges", "validate_datasets",
 ]
 
 
@@ -132,8 +133,10 @@ class SplitCoordinator:
     group has received (the ranks hold their own); a request behind that point (a group
     resuming from an older position) re-executes the epoch and skips to the row."""
 
-    def __init__(self, dataset, name: str):
+    def __init__(self, dataset, name: str, options: Any = None):
         ctx = dataset.context
+        if options is not None:  # DataConfig's (ingest_options), applied here where the epochs execute
+            ctx.execution_options = options
         ctx.execution_options.preserve_order = True
         from ray.data.dataset import MaterializedDataset
 
@@ -303,17 +306,25 @@ class DataShards:
 # --------------------------------------------------------------------------------------
 class WithDatasets:
     """The train function, with ``get_dataset_shard`` answered from ``plan`` (installed on
-    the rank's session before the function starts, so positions restore with it)."""
+    the rank's session before the function starts, so positions restore with it). The
+    driver's ``DataContext`` at ``fit()`` becomes each rank's current one, as Ray Train
+    propagates it: settings a script makes on the driver apply where the rank iterates."""
 
     def __init__(self, func: Callable, plan: DataPlan):
+        from ray.data import DataContext
+
         self.func = func
         self.plan = plan
+        self.data_context = copy.deepcopy(DataContext.get_current())
 
     def __call__(self, config: Dict[str, Any]) -> Any:
         # Here, not at the top: the worker module imports torch (loaded in the worker already).
         from raylastic import session as _session
         from raylastic._internal.worker_group.worker import _call
 
+        from ray.data import DataContext
+
+        DataContext._set_current(copy.deepcopy(self.data_context))
         sess = _session._get_session()
         sess.data = shards = DataShards(self.plan, sess)
         try:
@@ -337,15 +348,34 @@ def resolve_datasets(datasets: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def start_coordinators(datasets: Dict[str, Any], split: Sequence[str], resources: Dict[str, float]) -> DataPlan:
+def ingest_options(dataset_config: Any, name: str) -> Any:
+    """The Ray Data ``ExecutionOptions`` dataset ``name`` executes with, resolved as Ray
+    Train resolves them: ``DataConfig(execution_options=...)`` (one for all datasets, or a
+    dict by name), else ``DataConfig.default_ingest_options()`` (the driver's
+    ``DataContext``: its ``resource_limits``, ``exclude_resources``, ``preserve_order`` and
+    ``verbose_progress``). A fresh copy per dataset: Ray's own method, so the two agree."""
+    from ray.train import DataConfig
+
+    return (dataset_config if dataset_config is not None else DataConfig())._resolve_execution_options(name)
+
+
+def start_coordinators(datasets: Dict[str, Any], split: Sequence[str], resources: Dict[str, float],
+                       dataset_config: Any = None) -> DataPlan:
     """One ``SplitCoordinator`` per split dataset (no CPU: Ray Data's own tasks do the
-    work), pinned with ``resources`` (the head node: it must outlive worker nodes)."""
+    work), pinned with ``resources`` (the head node: it must outlive worker nodes). Each
+    dataset runs with ``ingest_options``; the split ones also with ``preserve_order``."""
     import ray
+    from ray.data import Dataset
 
     actor = ray.remote(SplitCoordinator).options(num_cpus=0, max_concurrency=8, max_restarts=0,
                                                  resources=resources)
-    coords = {name: actor.remote(datasets[name], name) for name in split}
-    return DataPlan(split=coords, whole={n: d for n, d in datasets.items() if n not in coords})
+    coords = {name: actor.remote(datasets[name], name, ingest_options(dataset_config, name)) for name in split}
+    whole = {}
+    for name in (n for n in datasets if n not in coords):
+        ds = Dataset.copy(datasets[name], _deep_copy=True)  # its own context: the user's keeps its options
+        ds.context.execution_options = ingest_options(dataset_config, name)
+        whole[name] = ds
+    return DataPlan(split=coords, whole=whole)
 
 
 def stop_coordinators(plan: Optional[DataPlan]) -> None:

@@ -15,6 +15,7 @@ import pytest
 import ray
 import ray.train
 import torch
+from ray.train.backend import Backend, BackendConfig
 from ray.train.examples.pytorch.torch_linear_example import train_func as ray_linear_train_func
 
 import raylastic
@@ -159,3 +160,147 @@ def test_reported_checkpoints_errors_and_result_from_path_are_ray_trains(local_c
     with result.get_best_checkpoint("score", "max").as_directory() as d:
         assert open(os.path.join(d, "i.txt")).read() == "3"
     assert len(_checkpoint_dirs(result.path)) == 2
+
+
+# -- Ray Train's Backend hooks and UserCallbacks (DataParallelTrainer(backend_config=...)) --
+
+def _append(path, line):
+    with open(path, "a") as fh:  # one line per write: the controller and test read it
+        fh.write(line + "\n")
+
+
+def _lines(path):
+    return open(path).read().splitlines() if os.path.exists(path) else []
+
+
+def _set_env(name, value):
+    os.environ[name] = value
+    return os.getpid()
+
+
+def _get_env(name):  # not os.environ.get: that pickles the caller's os.environ with it
+    return os.environ.get(name)
+
+
+def test_backend_hooks_and_user_callbacks_run_around_every_group(local_cluster, restore_nodes, run_dir, tmp_path):
+    """A custom BackendConfig: its hooks run in the controller once per group formed (two
+    here: a node is lost and the group re-forms smaller), ``worker_group.execute`` reaches
+    every member before the train function runs, ``train_func_context`` wraps the train
+    function. A UserCallback gets every rank's metrics per report and the lost rank."""
+    hooks_log, cb_log = str(tmp_path / "hooks.log"), str(tmp_path / "callbacks.log")
+
+    class ValidationBackend(Backend):
+        def on_start(self, worker_group, backend_config):
+            pids = worker_group.execute(_set_env, "RAYLASTIC_TEST_HOOKED", "on_start")
+            assert len(set(pids)) == len(worker_group)  # one worker process each
+            _append(hooks_log, f"on_start {len(worker_group)}")
+
+        def on_training_start(self, worker_group, backend_config):
+            seen = ray.get(worker_group.execute_async(_get_env, "RAYLASTIC_TEST_HOOKED"))
+            rank0 = worker_group.execute_single(0, os.getpid)
+            assert ray.get(worker_group.execute_single_async(0, os.getpid)) == rank0
+            assert worker_group.get_resources_per_worker() == {"CPU": 1}
+            _append(hooks_log, f"on_training_start {len(worker_group)} {','.join(seen)}")
+
+        def on_shutdown(self, worker_group, backend_config):
+            _append(hooks_log, f"on_shutdown {len(worker_group)}")
+
+    class ValidationConfig(BackendConfig):
+        @property
+        def backend_cls(self):
+            return ValidationBackend
+
+        @property
+        def train_func_context(self):
+            import contextlib
+
+            @contextlib.contextmanager
+            def context():
+                os.environ["RAYLASTIC_TEST_CONTEXT"] = "entered"
+                yield
+
+            return context
+
+    class Recorder(ray.train.UserCallback):  # called in the controller actor: it writes to a file
+        def after_report(self, run_context, metrics, checkpoint):
+            steps = sorted({m["step"] for m in metrics})
+            _append(cb_log, f"report {run_context.get_run_config().name} {len(metrics)} {steps} {checkpoint}")
+            assert all(m["hooked"] == "on_start" and m["context"] == "entered" for m in metrics), metrics
+
+        def after_exception(self, run_context, worker_exceptions):
+            _append(cb_log, "exception " + " ".join(f"{r}:{e}" for r, e in worker_exceptions.items()))
+
+    def train_fn():
+        import time
+
+        for step in range(20):
+            ray.train.report({"step": step, "hooked": os.environ.get("RAYLASTIC_TEST_HOOKED"),
+                              "context": os.environ.get("RAYLASTIC_TEST_CONTEXT")})
+            time.sleep(0.5)
+
+    trainer = raylastic.TorchTrainer(
+        train_fn, torch_config=ValidationConfig(),
+        scaling_config=ray.train.ScalingConfig(num_workers=(2, 3)),
+        run_config=ray.train.RunConfig(name="hooks", storage_path=run_dir, callbacks=[Recorder()],
+                                       failure_config=ray.train.FailureConfig(max_failures=0)))
+    th = FitThread(trainer)
+    th.start()
+    kill_node_at(local_cluster, RunWatcher(os.path.join(run_dir, "hooks")), 3)
+    result = th.wait(180)
+
+    assert result.world_sizes == [3, 2]
+    assert result.metrics == {"step": 19, "hooked": "on_start", "context": "entered"}
+    assert _lines(hooks_log) == ["on_start 3", "on_training_start 3 on_start,on_start,on_start", "on_shutdown 3",
+                                 "on_start 2", "on_training_start 2 on_start,on_start", "on_shutdown 2"]
+    reports = [line for line in _lines(cb_log) if line.startswith("report ")]
+    exceptions = [line for line in _lines(cb_log) if line.startswith("exception ")]
+    # the second group redid every step (no checkpoints): 20 complete reports of 2 ranks
+    assert reports[-20:] == [f"report hooks 2 [{s}] None" for s in range(20)]
+    assert reports[:-20] and all(line.startswith("report hooks 3 [") for line in reports[:-20])
+    assert len(exceptions) == 1 and exceptions[0].startswith("exception 2:"), exceptions
+
+
+def test_user_callback_errors_are_ray_trains(local_cluster, run_dir, tmp_path):
+    """Ray's own test_user_callback, plus a checkpoint: rank 0 raises after its report
+    (the run fails with WorkerGroupError, after_exception sees rank 0 only); then a
+    callback that raises ends a run with ControllerError carrying its exception."""
+    cb_log = str(tmp_path / "callbacks.log")
+
+    class Recorder(ray.train.UserCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            _append(cb_log, f"report {len(metrics)} {os.path.basename(checkpoint.path) if checkpoint else None}")
+
+        def after_exception(self, run_context, worker_exceptions):
+            _append(cb_log, f"exception {sorted(worker_exceptions)} {worker_exceptions[0]}")
+
+    def train_fn():
+        rank = ray.train.get_context().get_world_rank()
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None
+            if rank == 0:
+                open(os.path.join(d, "x"), "w").close()
+                checkpoint = ray.train.Checkpoint.from_directory(d)
+            ray.train.report({"rank": rank}, checkpoint=checkpoint)
+        if rank == 0:
+            import time
+
+            time.sleep(1)  # rank 1's report reaches the controller first
+            raise ValueError("error")
+
+    with pytest.raises(ray.train.WorkerGroupError) as info:
+        raylastic.TorchTrainer(train_fn, scaling_config=ray.train.ScalingConfig(num_workers=2),
+                               run_config=ray.train.RunConfig(name="cb", storage_path=run_dir,
+                                                              callbacks=[Recorder()])).fit()
+    assert list(info.value.worker_failures) == [0]
+    assert _lines(cb_log) == ["report 2 checkpoint_00000001-e1", "exception [0] ValueError: error"]
+
+    class Broken(ray.train.UserCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            raise KeyError("callback bug")
+
+    with pytest.raises(ray.train.ControllerError) as info:
+        raylastic.TorchTrainer(lambda: ray.train.report({"x": 1}), scaling_config=ray.train.ScalingConfig(num_workers=2),
+                               run_config=ray.train.RunConfig(name="broken", storage_path=run_dir,
+                                                              callbacks=[Broken()])).fit()
+    assert isinstance(info.value.controller_failure, KeyError)
+    assert "Broken.after_report raised KeyError" in str(info.value)

@@ -30,6 +30,7 @@ from raylastic._internal.cluster.capacity_driver import CapacityDriver
 from raylastic._internal.controller.capacity_steps import CapacitySteps
 from raylastic._internal.controller.failure_steps import FailureSteps
 from raylastic._internal.controller.graceful_stop import AllFinished, Failed, GracefulStop
+from raylastic._internal.controller.hooks import RunHooks
 from raylastic._internal.controller.ingest import ReportIngest
 from raylastic._internal.controller.memory_restore import MemoryRestore
 from raylastic._internal.controller.states import (
@@ -44,7 +45,7 @@ from raylastic.checkpoint.manager import CheckpointManager
 from raylastic.checkpoint.storage import StorageError
 from raylastic.config import RunConfig, ScalingConfig, describe, describe_run
 from raylastic.errors import (
-    InsufficientCapacityError, SnapshotMismatchError, TrainingAborted, storage_failure,
+    InsufficientCapacityError, SnapshotMismatchError, TrainingAborted, TrainingFailedError, storage_failure,
 )
 from raylastic.events import EventKind, EventLog, LossCause
 from raylastic.policies.base import Noop, Raise, Resize, Wait
@@ -69,14 +70,14 @@ class Controller(CapacitySteps, FailureSteps):
     """Ray actor body. ``run()`` blocks until training ends and returns an outcome dict.
 
     ``scaling_policy``, ``failure_policy`` and ``group`` default to the ones the configs
-    describe; tests pass their own."""
+    describe; tests pass their own. ``hooks``: code the front end attaches (``hooks.py``)."""
 
     def __init__(self, train_func: Callable, train_loop_config: Optional[Dict[str, Any]],
                  scaling: ScalingConfig, run: RunConfig, storage, run_rel: str, run_name: str, *,
                  scaling_policy: Optional[ElasticScalingPolicy] = None,
                  failure_policy: Optional[FailurePolicy] = None,
                  group: Optional[WorkerGroup] = None, fit_ts: Optional[float] = None,
-                 epoch_floor: int = 0):
+                 epoch_floor: int = 0, hooks: Optional[RunHooks] = None):
         self._train_func = train_func
         self._config = train_loop_config
         self._scaling = scaling
@@ -100,7 +101,8 @@ class Controller(CapacitySteps, FailureSteps):
 
             self._tb = TensorBoardLogger.for_run(storage, run_rel)
             self._events.add_listener(self._tb.observe_event)
-        self._ingest = ReportIngest(self._ckpt, self._events, self._tb)
+        self._hooks = hooks or RunHooks()
+        self._ingest = ReportIngest(self._ckpt, self._events, self._tb, self._hooks)
         self._memory = MemoryRestore(self._group, self._ckpt, self._events)
         self._capacity = None if scaling.capacity is None else CapacityDriver(
             scaling.capacity, min_workers=scaling.min_workers,
@@ -155,6 +157,8 @@ class Controller(CapacitySteps, FailureSteps):
                     self.tick()
                 except Interrupted:
                     continue  # the stop flag is set: the next turn ends the run
+        except TrainingFailedError as e:  # a hook ended the run (it logged why)
+            self._set_state(Errored(e), check=False)
         except StorageError as e:  # a manifest or retention write failed past its retries
             logger.exception("controller could not write to storage")
             self._set_state(Errored(storage_failure(e, self._storage.uri)), check=False)
@@ -162,6 +166,7 @@ class Controller(CapacitySteps, FailureSteps):
             logger.exception("controller crashed")
             self._set_state(Errored(e), check=False)
         finally:
+            self._hooks.group_ended()  # a group the loop did not end (a no-op if it did)
             for h in self._group.ready_workers():
                 self._events.emit(EventKind.WORKER_RELEASED, wid=h.wid, node_id=h.node_id)
             self._group.shutdown()
@@ -180,11 +185,16 @@ class Controller(CapacitySteps, FailureSteps):
                 return
         for h in self._group.refresh():
             self._events.emit(EventKind.WORKER_READY, wid=h.wid, node_id=h.node_id,
-                              node_type=(h.info or {}).get("node_type"), market=(h.info or {}).get("market"))
+                              node_type=h.info["node_type"] if h.info else None,
+                              market=h.info["market"] if h.info else None)
         self._group.fill()
         self._set_state(self._step(self._state))
 
     def _set_state(self, new: State, check: bool = True) -> None:
+        if isinstance(self._state, (Running, Resizing)) and not isinstance(new, (Running, Resizing)):
+            ended = self._hooks.group_ended()  # the group stopped
+            if ended is not None and not isinstance(new, Errored):
+                new = Errored(ended)
         with self._lock:
             old = self._state
             if new is old:
@@ -253,12 +263,13 @@ class Controller(CapacitySteps, FailureSteps):
             + (f", resuming from in-memory snapshot {restore.index}" if restore.memory_index is not None
                else f", resuming from checkpoint {latest.index}" if latest else ", fresh start"),
             epoch=epoch, world_size=world, previous_world_size=prev,
-            nodes=[m.node_id for m in members], pids=[(m.info or {}).get("pid") for m in members],
+            nodes=[m.node_id for m in members], pids=[m.info["pid"] if m.info else None for m in members],
             restore_index=restore.index, restore_path=restore.checkpoint_rel,
             stripes=[list(s) for s in formed.stripes] if formed.stripes else None,
         )
         self._memory.record(epoch, members, restore, latest)
         try:
+            self._hooks.group_started(members, epoch)
             self._group.start(formed, self._train_func, self._config, restore)
         except Interrupted:  # some may have started: no train function outlives the run
             self._group.abort(members, epoch)

@@ -19,6 +19,7 @@ from raylastic.policies.base import Raise
 from raylastic.policies.failure import FailureCounts, FailureKind, FailurePolicy
 
 if TYPE_CHECKING:
+    from raylastic._internal.controller.hooks import RunHooks
     from raylastic._internal.controller.memory_restore import MemoryRestore
     from raylastic._internal.worker_group.group import WorkerGroup
     from raylastic._internal.worker_group.results import PollResult
@@ -35,6 +36,7 @@ class FailureSteps:
     _failure_policy: FailurePolicy
     _counts: FailureCounts
     _stop_requested: threading.Event
+    _hooks: RunHooks
 
     if TYPE_CHECKING:
 
@@ -59,6 +61,7 @@ class FailureSteps:
             failures.append(RankFailure(m.prev_rank, st.epoch, cause.value, cause_text(batch.causes.get(m.wid))))
             self._worker_lost(m, cause, f"worker rank {m.prev_rank} on node {m.node_id[-8:]} lost ({cause.value})",
                               epoch=st.epoch, last_index=st.progress.last_index.get(m.wid, 0))
+        self._hooks.failed(failures)
         kind = FailureKind.NODE_LOST if node_lost else FailureKind.ERROR
         decision = self._failure_policy.decide(kind, self._counts)
         reached = st.progress.reached(default=st.restored_index if isinstance(st, Running) else 0)

@@ -5,7 +5,7 @@ last reports after a loss, a replaced worker's last words) hands its answers her
 checkpoint records go to the checkpoint manager (which commits a checkpoint once every
 rank has uploaded its part), rank 0's metrics go to the event log, TensorBoard and the
 status view, and rank 0's report times give the step-time estimate that places
-graceful stops.
+graceful stops. The run's hooks (``hooks.py``) see every record and what it committed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
+from raylastic._internal.controller.hooks import RunHooks
 from raylastic._internal.controller.states import Progress
 from raylastic._internal.worker_group.pool import WorkerHandle
 from raylastic._internal.worker_group.results import PollResult
@@ -22,8 +23,10 @@ from raylastic.events import EventKind, EventLog
 
 
 class ReportIngest:
-    def __init__(self, ckpt: CheckpointManager, events: EventLog, tb: Optional[Any] = None):
+    def __init__(self, ckpt: CheckpointManager, events: EventLog, tb: Optional[Any] = None,
+                 hooks: Optional[RunHooks] = None):
         self._ckpt = ckpt
+        self._hooks = hooks or RunHooks()
         self._events = events
         self._tb = tb
         self.step_time_s = 0.05  # running estimate (s per report), used to place graceful stops
@@ -55,7 +58,7 @@ class ReportIngest:
         progress.last_index[m.wid] = max(progress.last_index.get(m.wid, 0), r.index)
         if not r.records:
             return
-        self._ckpt.on_records(r.records)
+        self._hooks.records(r.records, self._ckpt.on_records(r.records))
         for rec in r.records:
             if rec.rank != 0:
                 continue

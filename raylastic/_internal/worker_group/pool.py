@@ -18,10 +18,25 @@ import ray
 from ray.exceptions import RayActorError
 
 from raylastic._internal.holdings import WHOLE, Holding, is_whole
-from raylastic._internal.worker_group.results import Holdings
+from raylastic._internal.protocol import PROTOCOL_VERSION, Holdings, WorkerInfo
+from raylastic.errors import ConfigError
 from raylastic.policies.node_types import RESOURCE_PREFIX
 
 logger = logging.getLogger("raylastic")
+
+
+def check_protocol(info: WorkerInfo) -> None:
+    """Refuse a worker whose raylastic speaks another protocol than this controller (a node
+    whose image or setup commands installed another version): it would fail later, on a
+    missing field, far from the cause."""
+    if info.get("protocol") != PROTOCOL_VERSION:
+        from raylastic import __version__
+
+        raise ConfigError(
+            f"the worker on node {info.get('node_id')} ({info.get('hostname')}) runs raylastic "
+            f"{info.get('raylastic_version', 'older than 0.1.0')} (worker protocol {info.get('protocol')}); "
+            f"this controller runs raylastic {__version__} (protocol {PROTOCOL_VERSION}). Fix: install "
+            "the same raylastic on every node (pin it in the cluster's setup commands or image).")
 
 
 @dataclass
@@ -30,7 +45,7 @@ class WorkerHandle:
     actor: Any
     info_ref: Any
     created_at: float
-    info: Optional[Dict[str, Any]] = None
+    info: Optional[WorkerInfo] = None
     ready_at: Optional[float] = None
     node_type: Optional[str] = None  # the node type it was placed for (capacity policy)
     prev_rank: int = 1 << 30  # rank in the last group (new workers sort last)
@@ -53,7 +68,7 @@ class WorkerHandle:
 
     @property
     def node_id(self) -> str:
-        return (self.info or {}).get("node_id", "")
+        return self.info["node_id"] if self.info else ""
 
     @property
     def ready(self) -> bool:
@@ -146,11 +161,12 @@ class WorkerPool:
         for ref in done:
             h = pending[ref]
             try:
-                h.info = ray.get(ref)
+                h.info = info = ray.get(ref)
             except RayActorError as e:
                 logger.info("worker %d died before it was ready: %s", h.wid, e)
                 self.workers.pop(h.wid, None)
                 continue
+            check_protocol(info)
             h.ready_at = time.monotonic()
             self.last_ready_at = h.ready_at
             newly.append(h)

@@ -31,6 +31,7 @@ from raylastic.policies.node_types import MARKET_LABEL, NODE_TYPE_LABEL, RESOURC
 from raylastic.session import GroupSpec, RestoreInfo, Session, StopTraining, checkpoint_rel
 from raylastic.state import STORE
 from raylastic._internal.holdings import Holding
+from raylastic._internal.protocol import PROTOCOL_VERSION, ExportedShards, StoreAddress, WorkerInfo
 from raylastic._internal.stripes import held_leaves
 from raylastic._internal.worker_group.results import (
     Holdings, PersistedSnapshot, PollResult, StopAnswer, WorkerStatus,
@@ -73,7 +74,9 @@ class TrainWorker:
         self._epoch = -1
 
     # -- identity ------------------------------------------------------------------
-    def info(self) -> Dict[str, Any]:
+    def info(self) -> WorkerInfo:
+        from raylastic import __version__
+
         ctx = ray.get_runtime_context()
         node_type, market = _node_type(ctx.get_node_id())
         return {
@@ -85,10 +88,12 @@ class TrainWorker:
             "pid": os.getpid(),
             "actor_id": ctx.get_actor_id(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "protocol": PROTOCOL_VERSION,
+            "raylastic_version": __version__,
         }
 
     # -- process group -------------------------------------------------------------
-    def host_store(self, world_size: int, timeout_s: float) -> Dict[str, Any]:
+    def host_store(self, world_size: int, timeout_s: float) -> StoreAddress:
         process_group.destroy_group()
         ip = ray.util.get_node_ip_address()
         port = process_group.host_store(ip, world_size, timeout_s)
@@ -119,6 +124,12 @@ class TrainWorker:
     def teardown_group(self) -> None:
         process_group.destroy_group()
         process_group.release_store()
+
+    def execute(self, func: Callable, args: tuple = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        """``func(*args, **kwargs)`` in this worker process: what a Ray Train ``Backend``
+        hook's ``worker_group.execute(...)`` runs (``raylastic/_internal/ray_train_hooks.py``),
+        as Ray's own worker actor does."""
+        return func(*args, **(kwargs or {}))
 
     # -- training ------------------------------------------------------------------
     def start(self, train_func: Callable, config: Optional[Dict[str, Any]], spec: GroupSpec,
@@ -181,7 +192,7 @@ class TrainWorker:
         reports them, without draining reports)."""
         return Holdings(snapshots=STORE.complete_indices(self._run_rel), stripes=STORE.stripes(self._run_rel))
 
-    def export_snapshot(self, index: int) -> Dict[str, Any]:
+    def export_snapshot(self, index: int) -> ExportedShards:
         """The tensors of in-memory snapshot ``index`` this worker holds (by position),
         for another worker to merge (its node is going away, or it is stuck)."""
         snap = self._snapshot(index)
@@ -193,7 +204,7 @@ class TrainWorker:
             raise RuntimeError(f"no complete in-memory snapshot {index} here")
         return snap
 
-    def merge_snapshot(self, index: int, exported: Dict[str, Any]) -> Holding:
+    def merge_snapshot(self, index: int, exported: ExportedShards) -> Holding:
         """Add another worker's shards of snapshot ``index`` to this worker's copy.
         Returns what it holds now (``WHOLE`` once it has all of it)."""
         return STORE.merge(self._run_rel, index, exported["holding"], exported["leaves"])
