@@ -1,5 +1,8 @@
-"""Shared fixtures. Ray clusters are module-scoped (one start per test module) and
-always shut down, so no Ray process outlives the test session."""
+"""Shared fixtures. The ``local_cluster`` Ray cluster is started once and kept for the
+modules that follow each other using it (each module gets it back at 3 worker nodes); it is
+shut down before any other test runs (a test that may start a Ray cluster of its own) and at
+the end of the session, so no Ray process outlives the session and two clusters never run
+at once."""
 
 from __future__ import annotations
 
@@ -25,17 +28,85 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+class _SharedCluster:
+    """The ``local_cluster`` of consecutive modules: started on first use, shut down by
+    ``close()`` (before a test that does not use it, and at the end of the session)."""
+
+    def __init__(self) -> None:
+        self.cluster = None
+        self.in_use = False  # a module's local_cluster fixture holds it
+        self.failed = False  # a test using it failed: the next module gets a fresh one
+
+    def get(self):
+        from raylastic.testing.cluster import LocalCluster
+
+        if self.cluster is None:
+            cluster = LocalCluster(num_nodes=3)
+            try:
+                cluster.start()
+            except BaseException:
+                cluster.shutdown()
+                raise
+            self.cluster = cluster
+        while len(self.cluster.worker_nodes) < 3:
+            self.cluster.add_node()
+        return self.cluster
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            cluster, self.cluster = self.cluster, None
+            cluster.shutdown()
+
+
+_SHARED = _SharedCluster()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "no_ray: starts no Ray cluster of its own (a local_cluster kept for the next "
+                   "module using it may stay up meanwhile)")
+
+
+def pytest_runtest_setup(item):
+    # A test outside the modules using local_cluster may start Ray itself: the shared
+    # cluster goes first (a module holding it keeps it for all of its tests).
+    if not _SHARED.in_use and "local_cluster" not in item.fixturenames \
+            and item.get_closest_marker("no_ray") is None:
+        _SHARED.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and "local_cluster" in getattr(item, "fixturenames", ()):
+        _SHARED.failed = True
+    return report
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _SHARED.close()
+
+
 @pytest.fixture(scope="module")
 def local_cluster():
-    """Head (0 CPUs) + 3 one-CPU worker nodes with fast failure detection."""
-    from raylastic.testing.cluster import LocalCluster
-
-    cluster = LocalCluster(num_nodes=3)
-    cluster.start()
+    """Head (0 CPUs) + 3 one-CPU worker nodes with fast failure detection; the same cluster
+    serves the next module too when it also uses this fixture."""
+    cluster = _SHARED.get()
+    _SHARED.in_use = True
     try:
         yield cluster
     finally:
-        cluster.shutdown()
+        _SHARED.in_use = False
+        if _SHARED.failed:
+            _SHARED.failed = False
+            _SHARED.close()
+        elif _SHARED.cluster is cluster:
+            try:
+                while len(cluster.worker_nodes) < 3:  # the next module gets the same shape
+                    cluster.add_node()
+            except BaseException:
+                _SHARED.close()
+                raise
 
 
 @pytest.fixture

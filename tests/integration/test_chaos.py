@@ -4,7 +4,8 @@ ElasticDataLoader on a real local cluster, checkpoints on a real S3 server (Seaw
 The schedule (``raylastic.testing.chaos``, reproducible from its seed): rank 0's node killed
 while it uploads a persisted snapshot, a node added back, two nodes killed at once (the
 survivor's stripe does not cover the state: restore from storage), the object store stopped
-for 10 s, the last worker's process killed (its snapshot dies with it: storage again).
+for 6 s (plus its restart), the last worker's process killed (its snapshot dies with it:
+storage again).
 
 Correctness only, no timing asserts: the run completes, every sample is trained exactly
 once per epoch, the final weights equal a fault-free fixed-size run's within 1e-5 relative,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -34,6 +36,18 @@ DATA = {"n": 1200, "global_batch": 48, "micro_batch": 8, "seed": 0, "hidden": 64
 PERSIST_EVERY = 25
 KINDS = [FaultKind.KILL_DURING_UPLOAD, FaultKind.ADD_NODE, FaultKind.KILL_TWO_NODES,
          FaultKind.STOP_STORAGE, FaultKind.KILL_WORKER]
+# When each fault is due (s after the first step). A fault that needs a training group waits
+# for one (the injector's own check), so these only pace the run: the added node gets ~8 s
+# to join before two nodes of the group are killed, and the worker kill comes once the
+# store is back (stop_storage returns after its restart).
+AT_S = (4.0, 8.0, 16.0, 19.0, 23.0)
+OUTAGE_S = 6.0
+
+
+def _schedule() -> ChaosSchedule:
+    """The seed's schedule (victims, order) at the times of ``AT_S``."""
+    drawn = ChaosSchedule.from_kinds(SEED, KINDS, interval_s=(7, 10), first_at_s=AT_S[0], outage_s=OUTAGE_S)
+    return replace(drawn, faults=tuple(replace(f, at_s=t) for f, t in zip(drawn.faults, AT_S, strict=True)))
 
 
 @pytest.fixture
@@ -54,7 +68,7 @@ def test_five_faults_of_five_kinds_exactly_once_same_weights_no_partial_checkpoi
     from raylastic.reporting import build_report, load_run
 
     s3, cluster = s3_cluster
-    schedule = ChaosSchedule.from_kinds(SEED, KINDS, interval_s=(7, 10), first_at_s=6)
+    schedule = _schedule()
     print("schedule:\n" + schedule.describe())
     log_dir = tmp_path / "log"
     log_dir.mkdir()
@@ -68,7 +82,7 @@ def test_five_faults_of_five_kinds_exactly_once_same_weights_no_partial_checkpoi
             name="chaos", storage_path=s3.uri("chaos-test"), verbose=True, progress=False, tensorboard=False,
             failure_config=FailureConfig(max_failures=len(KINDS)),
             checkpoint_config=CheckpointConfig(persist_every=PERSIST_EVERY, num_to_keep=2),
-            # a 10 s outage is longer than the default budget (5 attempts): ~30 s here
+            # the outage (6 s + the restart) is longer than the default budget (5 attempts): ~30 s here
             storage_retry=RetryPolicy(max_attempts=60, base_delay_s=0.2, max_delay_s=1.0)))
     th = FitThread(trainer)
     th.start()

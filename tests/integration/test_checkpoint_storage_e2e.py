@@ -412,7 +412,7 @@ def test_storage_outage_is_retried_and_training_continues(clusters, servers, tmp
     assert load_checkpoint(result.checkpoint)["problems"] == []
 
 
-def test_storage_outage_longer_than_the_retry_budget_fails_clearly(clusters, servers, tmp_path):
+def test_storage_outage_longer_than_the_retry_budget_fails_clearly(clusters, servers, tmp_path, monkeypatch):
     clusters.get()
     s3 = servers.s3
     run, every = "outage-too-long", 4
@@ -420,8 +420,12 @@ def test_storage_outage_longer_than_the_retry_budget_fails_clearly(clusters, ser
     log_dir = str(tmp_path / "log")
     os.makedirs(log_dir)
     cfg = {"total_steps": 400, "checkpoint_every": every, "step_sleep_s": 0.1, "log_dir": log_dir}
-    # The default RetryPolicy (5 attempts, a few seconds of backoff at most).
-    trainer = _trainer(cfg, _run_config(run, uri, failure_config=FailureConfig(max_failures=0)))
+    # A small budget (2 attempts: one retry) that any outage outlasts. With the default
+    # policy (5 attempts) the same failure took ~30 s to surface here: after the upload
+    # gives up, the controller's own writes to the dead store wait out their budgets too.
+    retry = RetryPolicy(max_attempts=2, base_delay_s=0.1, max_delay_s=0.5)
+    trainer = _trainer(cfg, _run_config(run, uri, monkeypatch, retry=retry,
+                                        failure_config=FailureConfig(max_failures=0)))
     storage = Storage(uri)
     th = FitThread(trainer)
     th.start()
@@ -439,7 +443,7 @@ def test_storage_outage_longer_than_the_retry_budget_fails_clearly(clusters, ser
     assert "max_failures=0" in text
     assert "could not persist checkpoint" in text
     assert f"s3 bucket {s3.bucket!r} at {s3.endpoint}" in text
-    assert "still failing after 5 attempt(s)" in text
+    assert f"still failing after {retry.max_attempts} attempt(s)" in text
     assert s3.secret_key not in text
     assert {f.kind for f in info.value.failures} == {"error"}
     assert took < 60, f"the failure took {took:.0f} s to surface"

@@ -21,7 +21,8 @@ from raylastic.rendezvous._table import CHUNK_BYTES, MAX_CHUNKS, RetrySettings, 
 from raylastic.rendezvous.cleanup import cleanup, main as cleanup_main
 from raylastic.testing.azurite import Azurite, find_azurite
 
-pytestmark = pytest.mark.skipif(find_azurite() is None, reason="azurite not installed (make install)")
+pytestmark = [pytest.mark.skipif(find_azurite() is None, reason="azurite not installed (make install)"),
+              pytest.mark.no_ray]  # a local_cluster of the modules around may stay up (conftest)
 
 # The state key every backend here authenticates its state rows with (docs/security.md): fixed,
 # 64 hex characters, as `python -c 'import secrets; print(secrets.token_hex(32))'` makes them.

@@ -33,7 +33,9 @@ from raylastic.checkpoint.storage import StorageError
 from raylastic.events import EventLog
 from raylastic.session import ReportRecord, checkpoint_rel
 
-FAST = RetryPolicy(max_attempts=3, base_delay_s=0.05, max_delay_s=0.2)
+# One retry is a retry: every attempt against a stopped SeaweedFS costs ~0.6 s (pyarrow's
+# S3 client has its own retry inside each), so each attempt more costs seconds per test.
+FAST = RetryPolicy(max_attempts=2, base_delay_s=0.05, max_delay_s=0.2)
 
 
 def _tree(root, files: dict[str, bytes]) -> str:
@@ -166,7 +168,7 @@ def test_azure_account_key_is_selected_without_leaking(azurite_server, monkeypat
 
 # ---------------------------------------------------------------------------- outages
 
-def _every_op_is_transient(s: Storage, tmp_path, attempts: int = 3) -> None:
+def _every_op_is_transient(s: Storage, tmp_path, attempts: int = FAST.max_attempts) -> None:
     ops = {
         "write": lambda: s.write_bytes("b", b"2"),
         "read": lambda: s.read_bytes("a"),

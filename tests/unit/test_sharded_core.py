@@ -97,12 +97,24 @@ def _step(m, opt, i, world, rank):
     opt.zero_grad()
 
 
-def _worker(rank, world, port, phase, d):
+def _worker(rank, world, port, phases, d):
+    """Runs ``phases`` one after the other in one process group of ``world`` ranks: a
+    spawn (fresh interpreters importing torch) costs seconds, a phase a fraction of one.
+    Each phase builds its own model and optimizer from the same seed."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    for phase in phases:
+        _phase(rank, world, phase, d)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _phase(rank, world, phase, d):
     import torch.distributed as dist
 
     from raylastic._internal import sharded as S
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     m, opt = _build()
     ad = S.FSDP2Adapter(m, opt)
     if phase == "save":  # 2 ranks, 3 steps: every rank keeps its pieces
@@ -130,16 +142,14 @@ def _worker(rank, world, port, phase, d):
     full = {k: v.full_tensor().detach().clone() for k, v in m.state_dict().items()}
     if rank == 0 and phase != "save":
         torch.save(full, f"{d}/{phase}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def test_fsdp2_state_resumes_at_another_world_size_from_memory_and_from_files(tmp_path):
     d = str(tmp_path)
-    mp.spawn(_worker, args=(2, 29701, "save", d), nprocs=2)
-    mp.spawn(_worker, args=(3, 29702, "memory", d), nprocs=3)
-    mp.spawn(_worker, args=(3, 29703, "files", d), nprocs=3)
-    mp.spawn(_worker, args=(2, 29704, "fixed", d), nprocs=2)
+    # Two spawns (one per world size), not one per phase: "fixed" is independent of "save",
+    # and "memory" and "files" each restore from save's files on their own fresh model.
+    mp.spawn(_worker, args=(2, 29701, ("save", "fixed"), d), nprocs=2)
+    mp.spawn(_worker, args=(3, 29702, ("memory", "files"), d), nprocs=3)
     fixed = torch.load(f"{d}/fixed.pt")
     for phase in ("memory", "files"):
         got = torch.load(f"{d}/{phase}.pt")
