@@ -155,14 +155,14 @@ class TorchTrainer:
                                       path=cast(Any, None), return_value=out.return_value,
                                       world_sizes=[out.world_size])
         run = self.translation.run
+        name = run.name or self._trainer._name  # the one given, or the one ElasticTrainer generated
         try:
             result = self._trainer.fit()
         except TrainingFailedError as e:
-            _snapshot(run)
+            _snapshot(run, name)
             raise as_ray_error(e) from e
-        _snapshot(run)
-        # the run's name: the one given, or the one ElasticTrainer generated for it
-        return ray_result(result, run.storage_path, run.name or self._trainer._name, run.checkpoint_config)
+        _snapshot(run, name)
+        return ray_result(result, run.storage_path, name, run.checkpoint_config)
 
 
 def ship_by_value(func: Callable) -> bool:
@@ -262,14 +262,13 @@ def run_context(translation: Translation, scaling_config: Any, run_config: Any, 
                            dataset_config=dataset_config if dataset_config is not None else DataConfig())
 
 
-def _snapshot(run: Any) -> None:
-    """Ray's checkpoint-manager snapshot of the run; a storage error is logged, never
+def _snapshot(run: Any, name: str) -> None:
+    """Ray's checkpoint-manager snapshot of run ``name``; a storage error is logged, never
     raised over the run's own outcome."""
     try:
-        storage = Storage(run.storage_path)
-        write_ray_snapshot(storage, run.name, run.checkpoint_config)
+        write_ray_snapshot(Storage(run.storage_path), name, run.checkpoint_config)
     except Exception as e:  # noqa: BLE001 - the run's result or error matters more
-        logger.warning("could not write Ray Train's checkpoint_manager_snapshot.json for run %s: %s", run.name, e)
+        logger.warning("could not write Ray Train's checkpoint_manager_snapshot.json for run %s: %s", name, e)
 
 
 def ray_result(result: ElasticResult, storage_path: str, name: str,

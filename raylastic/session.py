@@ -92,6 +92,7 @@ class Session:
         self.async_upload = async_upload
         self._upload_error: Optional[BaseException] = None
         self._skip_next: Optional[str] = None  # the next record is a skipped persisted snapshot (why)
+        self.last_files_index = -1  # the newest report whose checkpoint carried files (-1: none yet)
         self.storage = storage
         self.run_rel = run_rel
         self.context = TrainContext(spec, run_name, restore.restart_count)
@@ -212,6 +213,7 @@ class Session:
             self.data.write_positions(staged)
         record.stage_s = time.perf_counter() - start
         record.checkpoint_rel = checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
+        self.last_files_index = record.index
         record.wait_s = self.uploader.submit(staged, record.checkpoint_rel, self._on_uploaded(record))
         if not self.async_upload:
             self.uploader.wait()

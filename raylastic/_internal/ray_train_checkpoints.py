@@ -28,7 +28,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, List, Optional
@@ -53,24 +52,19 @@ class Retention:
 
 
 class ReportProgress:
-    """One worker's published report progress, and the waits on everyone else's."""
+    """One worker's published report progress, and the waits on everyone else's (one per
+    session, so per membership epoch: the worker installs a new adapter for each)."""
 
     def __init__(self) -> None:
-        self.last_files_index = -1  # last report index (this epoch) with checkpoint files
-        self.epoch: Optional[int] = None
         self.retention = Retention()
 
-    def after_report(self, sess: Any, checkpoint: Any) -> None:
-        """Publish ``(report index, last index with files)`` for this rank."""
-        spec = sess.spec
-        if self.epoch != spec.epoch:
-            self.epoch, self.last_files_index = spec.epoch, -1
-        index = sess.current_index()
-        if checkpoint is not None and _has_files(checkpoint):
-            self.last_files_index = index
+    def after_report(self, sess: Any) -> None:
+        """Publish ``(report index, last index with files)`` for this rank (the session
+        knows whether a report's checkpoint carried files)."""
         store = _store()
         if store is not None:
-            store.set(f"{_KEY}/{spec.epoch}/{spec.rank}/{index}", str(self.last_files_index))
+            spec = sess.spec
+            store.set(f"{_KEY}/{spec.epoch}/{spec.rank}/{sess.current_index()}", str(sess.last_files_index))
 
     def reported(self, sess: Any, timeout_s: Optional[float] = None) -> List[Any]:
         """``get_all_reported_checkpoints()``: see the module docstring."""
@@ -83,12 +77,10 @@ class ReportProgress:
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         spec, index = sess.spec, sess.current_index()
-        if self.epoch != spec.epoch:
-            self.epoch, self.last_files_index = spec.epoch, -1
         if index > sess.restore.index:  # reported this epoch: wait for the others, then the commit
             if sess.uploader is not None:
                 sess.uploader.wait(max(0.0, deadline - time.monotonic()))
-            newest = max(self.last_files_index, self._others_files_index(spec, index, deadline))
+            newest = max(sess.last_files_index, self._others_files_index(spec, index, deadline))
             if newest >= 0:
                 _wait_exists(sess, f"{checkpoint_rel(sess.run_rel, newest, spec.epoch)}/{MANIFEST}", deadline)
         committed = [c for c in committed_checkpoints(sess.storage, sess.run_rel) if c.index <= index]
@@ -119,19 +111,6 @@ def _store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError):
         return None
-
-
-def _has_files(checkpoint: Any) -> bool:
-    """Whether a reported checkpoint carries files (an empty directory adds none, as in
-    ``Session._persist``); a checkpoint on remote storage is assumed to."""
-    import pyarrow.fs as pafs
-
-    if isinstance(getattr(checkpoint, "filesystem", None), pafs.LocalFileSystem):
-        for _, _, files in os.walk(checkpoint.path):
-            if files:
-                return True
-        return False
-    return True
 
 
 def _wait_exists(sess: Any, rel: str, deadline: float) -> None:

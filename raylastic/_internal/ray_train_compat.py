@@ -72,7 +72,7 @@ class RayTrainAdapter(TrainFnUtils):
                checkpoint_upload_mode=None, delete_local_checkpoint_after_upload=None,
                checkpoint_upload_fn=None, validation=False) -> None:
         self._sess.report(metrics, checkpoint)
-        self._progress.after_report(self._sess, checkpoint)
+        self._progress.after_report(self._sess)
 
     def get_checkpoint(self):
         return self._sess.get_checkpoint()

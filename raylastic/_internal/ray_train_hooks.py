@@ -104,6 +104,7 @@ class RayTrainHooks(RunHooks):
         self._resources = dict(resources_per_worker)
         self._storage: Any = None  # opened in the controller, on first use
         self._group: Optional[RaylasticWorkerGroup] = None  # the group whose on_shutdown is due
+        self._backend: Any = None  # its Backend: one instance per group, as Ray's BackendExecutor keeps one
         self._epoch = -1
         self._world = 0
         self._reports: Dict[int, Dict[int, Dict[str, Any]]] = {}  # index -> rank -> metrics
@@ -114,8 +115,8 @@ class RayTrainHooks(RunHooks):
         if self._backend_config is None:
             return
         group = RaylasticWorkerGroup(members, self._resources)
-        self._group = group  # from here on_shutdown is due, whatever happens next
         backend = self._backend_config.backend_cls()
+        self._group, self._backend = group, backend  # from here on_shutdown is due, whatever happens next
         for hook in (backend.on_start, backend.on_training_start):
             try:
                 hook(group, self._backend_config)
@@ -130,11 +131,10 @@ class RayTrainHooks(RunHooks):
                 raise _ended_by(f"{type(backend).__name__}.{hook.__name__}", e) from e
 
     def group_ended(self) -> Optional[BaseException]:
-        group, self._group = self._group, None
+        group, backend, self._group, self._backend = self._group, self._backend, None, None
         self._reports = {}
         if group is None:
             return None
-        backend = self._backend_config.backend_cls()
         try:
             backend.on_shutdown(group, self._backend_config)
         except (RayActorError, RayTaskError):  # as in Ray Train: expected when a worker crashed

@@ -422,7 +422,8 @@ def test_get_all_reported_checkpoints_waits_for_the_commit_of_its_own_checkpoint
     src.mkdir()
     (src / "w").write_bytes(b"x")
     record = sess._next_record({"loss": 1.0})  # what report(checkpoint=...) makes
-    adapter._progress.after_report(sess, ray.train.Checkpoint.from_directory(str(src)))
+    sess.last_files_index = record.index  # (its checkpoint carried files)
+    adapter._progress.after_report(sess)
     rel = raylastic.session.checkpoint_rel("run", record.index, 0)
     record.checkpoint_rel, record.files = rel, sess.storage.upload_dir(str(src), rel)
     mgr = CheckpointManager(sess.storage, "run", None, EventLog(sess.storage, "run", verbose=False))
