@@ -2,7 +2,8 @@
 FSDP2 and DeepSpeed ZeRO-3, on the same local multi-node cluster (head without CPUs +
 3 one-CPU worker nodes, the same fast GCS failure detection for both).
 
-Train functions: ``raylastic.testing.sharded_bench_funcs`` (one wide MLP; raylastic keeps
+Train functions: ``benchmarks/workloads/sharded.py`` (one wide MLP, shipped to the workers
+by value; raylastic keeps
 its state in ``ElasticState``, Ray Train checkpoints it the documented way: every rank
 saves its shard with ``torch.distributed.checkpoint`` (FSDP2) or
 ``engine.save_checkpoint`` (DeepSpeed) every ``--checkpoint-every`` steps and at once on a
@@ -252,9 +253,11 @@ def summarize(log_dir: str, marks: Dict[str, Any], box: Dict[str, Any]) -> Dict[
 
 def make_fit(system: str, framework: str, cfg: Dict[str, Any], storage: str, name: str,
              checkpoint_every: int) -> Callable[[], Any]:
-    from raylastic.testing.sharded_bench_funcs import deepspeed_bench, fsdp2_bench
+    from workloads import by_value
+    import workloads.sharded as sharded
 
-    fn = fsdp2_bench if framework == "fsdp2" else deepspeed_bench
+    by_value(sharded)
+    fn = sharded.fsdp2_bench if framework == "fsdp2" else sharded.deepspeed_bench
     if system == "raylastic":
         from raylastic import CheckpointConfig, ElasticTrainer, RunConfig, ScalingConfig
 
@@ -400,7 +403,7 @@ def main() -> Optional[int]:
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # as in recovery.py
 
     from raylastic.testing.cluster import FAST_FAILURE_DETECTION, LocalCluster
-    from raylastic.testing.sharded_bench_funcs import n_params
+    from workloads.sharded import n_params
 
     hidden = args.hidden or (768 if args.quick else 3584)
     layers = args.layers or (4 if args.quick else 5)
