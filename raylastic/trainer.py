@@ -158,8 +158,16 @@ class ElasticTrainer:
                                       self._dataset_config)
             train_func = WithDatasets(train_func, plan)
         try:
-            return self._fit(storage, controller_cls, train_func, raise_on_error, fit_ts,
-                             lease=lease, epoch_floor=epoch_floor)
+            if plan is None:
+                return self._fit(storage, controller_cls, train_func, raise_on_error, fit_ts,
+                                 lease=lease, epoch_floor=epoch_floor)
+            from raylastic.data.reservation import TrainingReservation
+
+            # Ray Data must not take the CPUs a worker needs after a resize (reservation.py).
+            with TrainingReservation(f"raylastic-{self._name}", self._scaling.worker_resources(),
+                                     self._scaling.max_workers or self._scaling.min_workers):
+                return self._fit(storage, controller_cls, train_func, raise_on_error, fit_ts,
+                                 lease=lease, epoch_floor=epoch_floor)
         finally:
             if plan is not None:
                 from raylastic.data.ray_data import stop_coordinators

@@ -77,10 +77,31 @@ def _lose_and_regain(cluster, trainer, run_path, kill_at):
     wait_until(lambda: not th.is_alive() or w.last_index() >= kill_at, 120, what=f"report {kill_at}")
     if not th.is_alive():
         return th.wait(0)
+    # Ray Data must leave the workers' CPUs alone (raylastic/data/reservation.py): the run
+    # holds a HIGH-priority reservation of max_workers worker bundles with Ray Data's
+    # autoscaling coordinator while it runs (the cluster's 4 CPUs leave Ray Data 1), and
+    # drops it when fit() returns.
+    requester = f"raylastic-{os.path.basename(run_path)}"
+    assert _reserved(requester) == {"CPU": 3.0, "slot": 3.0}
     kill_node_at(cluster, w, kill_at)
     w.wait_for_event(EventKind.FIRST_STEP, 120, count=2)
     cluster.add_node()
-    return th.wait(240)
+    result = th.wait(240)
+    assert _reserved(requester) == {}
+    return result
+
+
+def _reserved(requester):
+    """The resources Ray's autoscaling coordinator reserves for ``requester``, summed."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    per_node = ray.get(get_or_create_autoscaling_coordinator().get_reserved_resources.remote(requester, True))
+    total = collections.Counter()
+    for res in per_node.values():
+        total.update({k: float(v) for k, v in res.items() if k in ("CPU", "slot") and v})
+    return dict(total)
 
 
 def _regression_datasets(rows=2400):
