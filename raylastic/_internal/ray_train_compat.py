@@ -7,11 +7,18 @@ with ``set_train_fn_utils``; ``ray.train.torch.prepare_model`` and
 :class:`RayTrainAdapter` there makes a function written for ``TorchTrainer`` run
 unchanged under ``ElasticTrainer``. ``get_all_reported_checkpoints`` waits for the other
 ranks' reports and the commits they imply (``ray_train_checkpoints``).
+
+Per attempt, :func:`install` also resets process-wide state that libraries cache about the
+process group (Accelerate's singletons: :func:`reset_library_state`) and routes Ray's
+``ray.train.huggingface.transformers.prepare_trainer`` to raylastic's elastic one.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 from ray.train.v2._internal.execution.train_fn_utils import TrainFnUtils, set_train_fn_utils
@@ -106,6 +113,87 @@ class RayTrainAdapter(TrainFnUtils):
         return box[0]
 
 
+def reset_library_state() -> None:
+    """Forget what Accelerate cached about the previous process group.
+
+    ``PartialState``, ``AcceleratorState`` and ``GradientState`` are process-wide singletons
+    that read the world size, rank and device once; the survivors of a resize call the train
+    function again in the same process, where the next ``TrainingArguments`` / ``Trainer`` /
+    ``Accelerator`` would otherwise get the old world size (and a destroyed group). Resetting
+    here, in the worker before each attempt, is the one place that runs after the new group
+    exists and before any user code builds those objects. Only when Accelerate is already
+    imported: a run that never uses it pays nothing."""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+    state.GradientState._reset_state()
+
+
+_RAY_HF_MODULE = "ray.train.huggingface.transformers._transformers_utils"
+
+
+def _routed_prepare_trainer(ray_prepare):
+    """Ray's ``prepare_trainer`` followed by raylastic's, while a raylastic session runs."""
+    def prepare_trainer(trainer):
+        trainer = ray_prepare(trainer)  # Ray Data iterables as train/eval datasets keep working
+        if _session._session is None:  # not in a raylastic train function: Ray's behaviour
+            return trainer
+        from raylastic.integrations import transformers as elastic_hf
+
+        return elastic_hf.prepare_trainer(trainer)
+
+    prepare_trainer.__wrapped__ = ray_prepare
+    prepare_trainer.__doc__ = ray_prepare.__doc__
+    # Named as Ray's: cloudpickle then pickles a reference to it, which another process
+    # resolves to its own (routed or not) function, never a copy of this closure.
+    prepare_trainer.__module__, prepare_trainer.__qualname__ = _RAY_HF_MODULE, "prepare_trainer"
+    return prepare_trainer
+
+
+def _route_ray_hf(module: Any) -> None:
+    """Point Ray's HF ``prepare_trainer`` (the module attribute and the package's) at ours."""
+    current = module.prepare_trainer
+    if hasattr(current, "__wrapped__"):
+        return
+    routed = _routed_prepare_trainer(current)
+    module.prepare_trainer = routed
+    package: Any = sys.modules.get("ray.train.huggingface.transformers")
+    if package is not None and getattr(package, "prepare_trainer", None) is current:
+        package.prepare_trainer = routed
+
+
+class _RouteOnImport(importlib.abc.MetaPathFinder):
+    """Routes Ray's HF ``prepare_trainer`` as soon as its module is imported in this worker.
+
+    Why at import: a train function that did ``from ray.train.huggingface.transformers import
+    prepare_trainer`` at module level is unpickled (binding that name) before any attempt
+    starts; patching only in :func:`install` would reach the module attribute too late."""
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Any = None):
+        if fullname != _RAY_HF_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_route(module: Any) -> None:
+            exec_module(module)
+            _route_ray_hf(module)
+
+        loader.exec_module = exec_and_route  # type: ignore[method-assign]
+        return spec
+
+
+def route_on_import() -> None:
+    """Install the import hook once per process (at this module's import: worker actors
+    import it when they are created, before any train function is unpickled)."""
+    if not any(isinstance(f, _RouteOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RouteOnImport())
+
+
 def install(sess: "_session.Session") -> None:
     """Route Ray Train's API to ``sess`` in this worker process.
 
@@ -116,4 +204,12 @@ def install(sess: "_session.Session") -> None:
     nothing imported the submodule."""
     import ray.train.torch  # noqa: F401
 
+    reset_library_state()
+    route_on_import()
+    module = sys.modules.get(_RAY_HF_MODULE)
+    if module is not None:
+        _route_ray_hf(module)
     set_train_fn_utils(RayTrainAdapter(sess))
+
+
+route_on_import()
