@@ -1,7 +1,7 @@
 """What an in-memory snapshot costs a training step on a GPU, and what restoring one costs.
 
 One process, one GPU, no Ray: this isolates the copy engine every ``ElasticState`` uses
-(``raylastic._internal.snapshot_copy.StateCopier``). On CUDA it queues device-to-host
+(``raylastic._internal.snapshots.capture.StateCopier``). On CUDA it queues device-to-host
 copies into pinned host buffers on a side stream and makes the next ``optimizer.step()``
 wait for them (an event, not a host sync), so the copy overlaps the next forward and
 backward. The model is the 51.6M-parameter MLP of ``benchmarks/sharded_recovery.py``
@@ -63,7 +63,7 @@ def measure_batch(args, device, batch: int) -> Dict[str, Any]:
     import torch
     from torch import nn
 
-    from raylastic._internal.snapshot_copy import StateCopier, nbytes
+    from raylastic._internal.snapshots.capture import StateCopier, nbytes
 
     model, opt = _model(args, device)
     copiers = {"sync": StateCopier(model, opt, overlap=False), "overlap": StateCopier(model, opt, overlap=True)}

@@ -25,7 +25,7 @@ its step time, RSS, snapshot bytes and snapshot stall. Measured per event:
 - steps_redone: steps completed before the new group's first step that it trained again
 - source: where the new group's state came from (raylastic: the ``checkpoint_restored``
   events' ``source``; Ray Train: what its train function loaded, or the load error)
-- snapshot stall: ``ElasticState._sharded.blocked_s`` per step / the steady step time
+- snapshot stall: ``ElasticState._half.blocked_s`` per step / the steady step time
 - host memory per rank: ``ElasticState.snapshot_bytes()`` and the process RSS
 
 Writes benchmarks/results/sharded_recovery.json.

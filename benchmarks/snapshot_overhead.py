@@ -8,12 +8,12 @@ conditions, so all see the same machine load:
 - ``sync``: model + optimizer state copied into recycled host buffers before the step
   ends (``ElasticState(async_snapshot=False)``);
 - ``overlap``: the default, ``ElasticState``'s copy engine
-  (``raylastic._internal.snapshot_copy.StateCopier``): parameters and optimizer state are
+  (``raylastic._internal.snapshots.capture.StateCopier``): parameters and optimizer state are
   copied by a background thread while the next step's forward/backward runs, and the
   optimizer's next ``step()`` waits for it; every rank copies the whole state;
 - ``striped``: the default of ``ElasticState`` with 3 or more workers: as ``overlap``,
   but each rank copies only its stripe, 2 of the W shards of the replicated state
-  (``raylastic._internal.stripes``), so every shard still has copies on two nodes.
+  (``raylastic._internal.snapshots.placement``), so every shard still has copies on two nodes.
 
 Reports the median step time of each condition; the stall of each snapshot mode as the
 step-time increase over plain, in % of the plain step (target: <= 5% when snapshotting
@@ -39,8 +39,8 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from raylastic._internal.snapshot_copy import StateCopier, nbytes
-    from raylastic._internal.stripes import plan_stripes
+    from raylastic._internal.snapshots.capture import StateCopier, nbytes
+    from raylastic._internal.snapshots.placement import plan_stripes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -180,7 +180,7 @@ def fsdp2_bench(config: Dict[str, Any]) -> None:
         if state is not None:
             state.step = step
             state.commit(metrics)
-            extra = {"snapshot_bytes": state.snapshot_bytes(), "blocked_s": round(state._sharded.blocked_s, 5)}
+            extra = {"snapshot_bytes": state.snapshot_bytes(), "blocked_s": round(state._half.blocked_s, 5)}
         elif step % loop.every == 0 or now:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -203,9 +203,9 @@ def fsdp2_bench(config: Dict[str, Any]) -> None:
 
 def _reset_zero3_ids() -> None:
     """ZeRO-3's process-global module/parameter counters (see
-    ``raylastic._internal.sharded_deepspeed._reset_zero3_ids``; raylastic resets them at
+    ``raylastic._internal.snapshots.sharded.deepspeed._reset_zero3_ids``; raylastic resets them at
     every group teardown, this covers the Ray Train anchor's restarts too)."""
-    from raylastic._internal.sharded_deepspeed import _reset_zero3_ids as reset
+    from raylastic._internal.snapshots.sharded.deepspeed import _reset_zero3_ids as reset
     reset()
 
 
@@ -284,7 +284,7 @@ def deepspeed_bench(config: Dict[str, Any]) -> None:
         if state is not None:
             state.step = step
             state.commit(metrics)
-            extra = {"snapshot_bytes": state.snapshot_bytes(), "blocked_s": round(state._sharded.blocked_s, 5)}
+            extra = {"snapshot_bytes": state.snapshot_bytes(), "blocked_s": round(state._half.blocked_s, 5)}
         elif step % loop.every == 0 or now:
             ts = time.perf_counter()
             with tempfile.TemporaryDirectory() as d:

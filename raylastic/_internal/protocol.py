@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, TypedDict
 
-from raylastic._internal.holdings import Holding
+from raylastic._internal.snapshots.placement import Holding
 
 # Bump when a type below changes shape: workers report it in ``WorkerInfo`` and the pool
 # refuses a worker whose version differs from the controller's.
@@ -72,7 +72,7 @@ class GroupSpec:
     backend: str
     timeout_s: float = 60.0
     # Shards of the replicated training state this rank copies into its ElasticState
-    # snapshots (``_internal/stripes.py``), out of ``world_size``; empty: all of it.
+    # snapshots (``_internal/snapshots/placement.py``), out of ``world_size``; empty: all of it.
     stripe: Tuple[int, ...] = ()
 
 

@@ -62,11 +62,15 @@ def storable_attr(name: str, value: Any) -> Any:
     return storable(value, f"ElasticState attribute {name!r}")
 
 
-def storable_plain(plain: Dict[str, Any]) -> Dict[str, Any]:
-    """A snapshot's plain part (attributes, the loader's and LR scheduler's state dicts),
-    checked and converted in place: it is what ``torch.load(weights_only=True)`` reads back."""
+def storable_plain(plain: Dict[str, Any], labels: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """A snapshot's plain part (attributes, the loader's, LR scheduler's and ``stateful=``
+    objects' state dicts), checked and converted in place: it is what
+    ``torch.load(weights_only=True)`` reads back. ``labels``: how an error names an object
+    (default ``ElasticState(<name>=...)``)."""
+    labels = labels or {}
     plain["attrs"] = {k: storable_attr(k, v) for k, v in plain["attrs"].items()}
-    plain["_objects"] = {k: storable(v, f"ElasticState({k}=...).state_dict()") for k, v in plain["_objects"].items()}
+    plain["_objects"] = {k: storable(v, f"{labels.get(k, f'ElasticState({k}=...)')}.state_dict()")
+                         for k, v in plain["_objects"].items()}
     return plain
 
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from raylastic._internal.snapshot_copy import StateCopier, copy_into
+from raylastic._internal.snapshots.capture import StateCopier, copy_into
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 

@@ -22,8 +22,9 @@ def _state():
 def _rank(rank, port, out_dir):
     import torch.distributed as dist
 
-    from raylastic._internal.snapshot_copy import StateCopier
-    from raylastic._internal.stripes import assemble, leaves, plan_stripes
+    from raylastic._internal.snapshots.capture import StateCopier, leaves
+    from raylastic._internal.snapshots.placement import plan_stripes
+    from raylastic._internal.snapshots.replicated import assemble
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
     model, opt = _state()
@@ -60,8 +61,9 @@ def test_survivor_stripes_and_a_new_worker_assemble_the_whole_snapshot(tmp_path)
 def _rank_mismatch(rank, port, out_dir):
     import torch.distributed as dist
 
-    from raylastic._internal.snapshot_copy import StateCopier
-    from raylastic._internal.stripes import assemble, plan_stripes
+    from raylastic._internal.snapshots.capture import StateCopier
+    from raylastic._internal.snapshots.placement import plan_stripes
+    from raylastic._internal.snapshots.replicated import assemble
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
     width = 48 if rank != 1 else 40  # rank 1's copy is of another model: not a replica

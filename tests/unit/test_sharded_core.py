@@ -1,4 +1,4 @@
-"""The sharded-state core (``raylastic/_internal/sharded.py``): overlap arithmetic and
+"""The sharded-state core (``raylastic/_internal/snapshots/sharded/``): overlap arithmetic and
 refusals (pure), and FSDP2 state re-partitioned 2 -> 3 over real gloo in spawned
 processes (no Ray): from peer memory (``reshard_from_memory``) and from per-rank files
 (``fill_from_files``), equal to an uninterrupted run."""
@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from raylastic._internal.sharded import Chunk, check_fits, fill, fill_from_files
+from raylastic._internal.snapshots.sharded.layout import Chunk, check_fits, fill
+from raylastic._internal.snapshots.sharded.reshard import fill_from_files
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -114,9 +115,11 @@ def _worker(rank, world, port, phases, d):
 def _phase(rank, world, phase, d):
     import torch.distributed as dist
 
-    from raylastic._internal import sharded as S
+    from raylastic._internal.snapshots.sharded.fsdp2 import FSDP2Adapter
+    from raylastic._internal.snapshots.sharded.layout import Chunk
+    from raylastic._internal.snapshots.sharded.reshard import fill_from_files, reshard_from_memory
     m, opt = _build()
-    ad = S.FSDP2Adapter(m, opt)
+    ad = FSDP2Adapter(m, opt)
     if phase == "save":  # 2 ranks, 3 steps: every rank keeps its pieces
         for i in range(3):
             _step(m, opt, i, world, rank)
@@ -127,11 +130,11 @@ def _phase(rank, world, phase, d):
         targets = ad.restore_targets()
         if phase == "memory":  # old shard s held by new rank s; rank 2 holds a copy of shard 1, rank 0 none
             held = {s: old[s]["tensors"] for s in old if (rank == 1 and s == 1) or (rank == 2 and s in (0, 1))}
-            layout = {s: [S.Chunk.of(c) for c in old[s]["chunks"]] for s in old}
-            plain = S.reshard_from_memory(dist.group.WORLD, targets, layout if held else None, held,
+            layout = {s: [Chunk.of(c) for c in old[s]["chunks"]] for s in old}
+            plain = reshard_from_memory(dist.group.WORLD, targets, layout if held else None, held,
                                           old[0]["plain"] if held else None)
         else:
-            S.fill_from_files(targets, old)
+            fill_from_files(targets, old)
             plain = old[0]["plain"]
         ad.finish_restore(plain)
         for i in range(3, 6):

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-1/2/3 state re-partitioned at another world size by ``DeepSpeedAdapter``
-(``raylastic/_internal/sharded_deepspeed.py``), with real engines over gloo in spawned
+(``raylastic/_internal/snapshots/sharded/deepspeed.py``), with real engines over gloo in spawned
 processes (no Ray).
 
 A fixed-size run at 2 ranks trains 9 steps of a fixed 12-sample global batch and keeps
@@ -91,7 +91,7 @@ def _propagated(engine) -> bool:
 
 def _snapshot(engine) -> Dict[str, Any]:
     """What the core keeps of a rank: copies of its live pieces and the plain state."""
-    from raylastic._internal.sharded_deepspeed import DeepSpeedAdapter
+    from raylastic._internal.snapshots.sharded.deepspeed import DeepSpeedAdapter
     adapter = DeepSpeedAdapter(engine)
     return {"pieces": [(c.as_tuple(), t.detach().clone()) for c, t in adapter.live_chunks()],
             "plain": adapter.plain()}
@@ -102,8 +102,8 @@ def _restore(engine, shards: List[Dict[str, Any]]) -> None:
     ``check_fits`` over every new rank's targets, ``fill``, ``finish_restore``."""
     import torch.distributed as dist
 
-    from raylastic._internal.sharded import Chunk, check_fits, fill
-    from raylastic._internal.sharded_deepspeed import DeepSpeedAdapter
+    from raylastic._internal.snapshots.sharded.layout import Chunk, check_fits, fill
+    from raylastic._internal.snapshots.sharded.deepspeed import DeepSpeedAdapter
     adapter = DeepSpeedAdapter(engine)
     old = [(Chunk.of(c), t) for s in shards for c, t in s["pieces"]]
     targets = adapter.restore_targets()
@@ -120,8 +120,9 @@ def _reshard(engine, shards: List[Dict[str, Any]], held: List[int]) -> None:
     others come over the group from their holders (``reshard_from_memory``)."""
     import torch.distributed as dist
 
-    from raylastic._internal.sharded import Chunk, reshard_from_memory
-    from raylastic._internal.sharded_deepspeed import DeepSpeedAdapter
+    from raylastic._internal.snapshots.sharded.layout import Chunk
+    from raylastic._internal.snapshots.sharded.reshard import reshard_from_memory
+    from raylastic._internal.snapshots.sharded.deepspeed import DeepSpeedAdapter
     adapter = DeepSpeedAdapter(engine)
     layout = {s: [Chunk.of(c) for c, _t in sh["pieces"]] for s, sh in enumerate(shards)}
     mine = {s: [t for _c, t in shards[s]["pieces"]] for s in held}
@@ -178,7 +179,7 @@ def _elastic_run(rank: int, ports: tuple, out: str) -> None:
     """2 -> 3 (restore, 3 steps), then 3 -> 2 in the same processes (restore, 3 steps)."""
     import torch.distributed as dist
 
-    from raylastic._internal.sharded_deepspeed import release_deepspeed_groups
+    from raylastic._internal.snapshots.sharded.deepspeed import release_deepspeed_groups
     _quiet()
     fixed = {v: [torch.load(os.path.join(out, f"fixed-{v}-r{r}.pt"), weights_only=False) for r in range(2)]
              for v in VARIANTS}
@@ -238,8 +239,8 @@ def _mismatches(engine2, fixed) -> Dict[str, str]:
     """Another stage, another architecture and a stage-0 engine are refused with the reason."""
     import torch.distributed as dist
 
-    from raylastic._internal.sharded import Chunk, check_fits
-    from raylastic._internal.sharded_deepspeed import DeepSpeedAdapter
+    from raylastic._internal.snapshots.sharded.layout import Chunk, check_fits
+    from raylastic._internal.snapshots.sharded.deepspeed import DeepSpeedAdapter
     out = {}
     try:  # a ZeRO-1 snapshot into this ZeRO-2 engine
         DeepSpeedAdapter(engine2).finish_restore(fixed["zero1"][0]["snap"]["plain"])

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from raylastic._internal.snapshot_copy import copy_into as _copy_into
+from raylastic._internal.snapshots.capture import copy_into as _copy_into
 from raylastic.state import Snapshot, SnapshotStore, restore_from_memory_possible
 
 
@@ -79,7 +79,7 @@ def _flat(obj):
 def test_overlapped_copy_equals_the_state_at_commit_although_the_next_step_runs():
     """The copy runs while the next forward/backward runs; the next optimizer step
     waits for it, and BatchNorm's running stats (written by forward) are copied at once."""
-    from raylastic._internal.snapshot_copy import COPY_THREAD, StateCopier
+    from raylastic._internal.snapshots.capture import COPY_THREAD, StateCopier
 
     model, opt = _trained_pair()
     copier = StateCopier(model, opt, overlap=True)
@@ -104,7 +104,7 @@ def test_overlapped_copy_equals_the_state_at_commit_although_the_next_step_runs(
 
 
 def test_copy_is_synchronous_without_an_optimizer_or_when_asked():
-    from raylastic._internal.snapshot_copy import StateCopier
+    from raylastic._internal.snapshots.capture import StateCopier
 
     model, opt = _trained_pair()
     assert not StateCopier(model, None, overlap=True).overlap
@@ -117,7 +117,7 @@ def test_copy_is_synchronous_without_an_optimizer_or_when_asked():
 
 
 def test_recycled_buffers_are_reused_by_the_overlapped_copy():
-    from raylastic._internal.snapshot_copy import StateCopier
+    from raylastic._internal.snapshots.capture import StateCopier
 
     model, opt = _trained_pair()
     copier = StateCopier(model, opt, overlap=True)
@@ -133,7 +133,7 @@ def test_recycled_buffers_are_reused_by_the_overlapped_copy():
 
 
 def test_a_failed_background_copy_is_raised_at_the_next_optimizer_step():
-    from raylastic._internal.snapshot_copy import PendingCopy
+    from raylastic._internal.snapshots.capture import PendingCopy
 
     errors = []
     bad = PendingCopy([(torch.empty(2), torch.ones(3))], errors.append)  # shapes differ

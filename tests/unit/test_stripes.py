@@ -3,11 +3,8 @@ into shards, coverage, and copying only a stripe."""
 
 import torch
 
-from raylastic._internal.snapshot_copy import StateCopier, nbytes
-from raylastic._internal.holdings import WHOLE
-from raylastic._internal.stripes import (
-    covered, keep_mask, leaves, plan_stripes, shard_of_leaves,
-)
+from raylastic._internal.snapshots.capture import StateCopier, keep_mask, leaves, nbytes
+from raylastic._internal.snapshots.placement import WHOLE, covered, plan_stripes, shard_of_leaves
 from raylastic.state import SnapshotStore, Snapshot, restore_from_memory_possible
 
 

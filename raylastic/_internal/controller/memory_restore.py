@@ -1,15 +1,17 @@
-"""Restoring from peer memory: which state a new group starts from, and keeping
+"""Restoring from peer memory, the controller's side: runs the restore plan and keeps
 in-memory snapshots alive while workers leave.
 
 ``ElasticState`` snapshots live in the workers' processes (striped: each rank holds
-some shards of each, see ``_internal/holdings.py``). This module decides, from what
-every member holds, whether the next group can restore from memory or must read the
-last committed checkpoint, and says why in the event log when memory was not enough.
-Before workers leave (a drain, a migration, a hung worker being replaced) it moves the
-shards only they hold to a worker that stays, over Ray, or writes the snapshot to
-storage when nobody stays.
+some shards of each, see ``_internal/snapshots/``). The plan (memory or storage, what
+must move before workers leave) is made by ``snapshots/planner.py`` from what every
+member holds; this module says why in the event log when memory was not enough, and
+before workers leave (a drain, a migration, a hung worker being replaced) moves the
+shards only they hold to a worker that stays, over Ray, or writes the snapshot to storage
+when nobody stays.
 
-It decides; the worker group (``WorkerGroup``) makes the actor calls.
+Why it stays here rather than in ``snapshots/``: it drives the worker group, the
+checkpoint manager and the event log, which the snapshot package must not depend on (the
+worker imports that package). The worker group (``WorkerGroup``) makes the actor calls.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from __future__ import annotations
 import logging
 from typing import List, Optional, Sequence
 
-from raylastic._internal.holdings import covered, is_whole, restore_from_memory_possible
+from raylastic._internal.snapshots.placement import covered, is_whole
+from raylastic._internal.snapshots.planner import adds_shards, evacuation, plan_restore, rescue_target, why_storage
 from raylastic._internal.worker_group.group import Interrupted, WorkerGroup
 from raylastic._internal.worker_group.pool import WorkerHandle
 from raylastic.checkpoint.manager import CheckpointManager, CommittedCheckpoint
@@ -54,14 +57,7 @@ class MemoryRestore:
         """Newest state every member can get: an in-memory snapshot all snapshot holders
         share and whose shards they cover together (holders send what others lack), else
         ``latest``, the last valid committed checkpoint in storage."""
-        mem = None if self.skip_next else restore_from_memory_possible(
-            {m.wid: m.snapshots for m in members}, {m.wid: m.stripes for m in members})
-        if mem is not None and (latest is None or mem >= latest.index):
-            return RestoreInfo(checkpoint_rel=latest.rel if latest else None, index=mem,
-                               restart_count=restart_count, memory_index=mem,
-                               broadcast=any(mem not in m.snapshots or mem in m.stripes for m in members))
-        return RestoreInfo(checkpoint_rel=latest.rel if latest else None,
-                           index=latest.index if latest else 0, restart_count=restart_count)
+        return plan_restore(members, restart_count, latest, self.skip_next)
 
     def record(self, epoch: int, members: Sequence[WorkerHandle], restore: RestoreInfo,
                latest: Optional[CommittedCheckpoint]) -> None:
@@ -82,18 +78,10 @@ class MemoryRestore:
                                  latest: Optional[CommittedCheckpoint]) -> None:
         """Members held in-memory snapshots, yet the group restores from storage: say why
         in the event log (a node and its snapshot peer lost, or no shared snapshot)."""
-        holders = [m for m in members if m.snapshots]
-        if not holders or self.skip_next:
+        reason = None if self.skip_next else why_storage(members, latest)
+        if reason is None:
             return
-        common = set.intersection(*(set(m.snapshots) for m in holders))
-        newest = max(common, default=None)
-        if newest is not None and (latest is None or newest > latest.index):
-            why = (f"the surviving workers' shards of snapshot {newest} do not cover the state "
-                   "(a node and the node holding the second copy of its shard were both lost)")
-        elif newest is None:
-            why = "the surviving workers share no in-memory snapshot"
-        else:
-            return  # the checkpoint in storage is as new as memory: nothing lost
+        why, newest = reason
         self._events.emit(EventKind.DECISION, f"{why}; restoring from "
                           + (f"checkpoint {latest.index} in storage" if latest else "the start"),
                           decision="memory_restore_impossible", snapshot_index=newest,
@@ -107,12 +95,11 @@ class MemoryRestore:
         (all members were on draining nodes), the snapshot is assembled on one of them
         and written to storage before they go, so the next group loses nothing. (A stop
         normally makes every rank take a full copy; this covers the rest.)"""
-        staying = [m for m in members if m not in leaving]
-        holders = [m for m in members if index in m.snapshots]
-        stay_holders = [m for m in holders if m in staying]
-        if not leaving or not holders or (stay_holders and covered([m.holding(index) for m in stay_holders])):
+        plan = evacuation(members, leaving, index)
+        if plan is None:
             return
-        target = (stay_holders or holders)[0]
+        target, holders = plan
+        staying = [m for m in members if m not in leaving]
         try:
             if not self._gather(target, holders, index):
                 return
@@ -148,10 +135,10 @@ class MemoryRestore:
         except Exception as e:  # noqa: BLE001 - the restore then falls back as planned
             logger.warning("stopped ranks do not answer: %s", e)
             return
-        common = [(i, m) for m in stopped for i in set(hung.snapshots) & set(m.snapshots)]
-        if not common:
+        pick = rescue_target(hung, stopped)
+        if pick is None:
             return
-        index, to = max(common, key=lambda p: p[0])  # the newest: the one a restore would use
+        index, to = pick  # the newest shared snapshot: the one a restore would use
         try:
             if not self._merge(hung, to, index):
                 return  # the receiver lacks nothing the hung worker has
@@ -184,8 +171,7 @@ class MemoryRestore:
     def _merge(self, frm: WorkerHandle, to: WorkerHandle, index: int) -> bool:
         """Copy ``frm``'s shards of snapshot ``index`` that ``to`` lacks into ``to``'s copy.
         False when ``frm`` adds nothing."""
-        theirs, have = frm.holding(index), to.holding(index)
-        if is_whole(have) or (not is_whole(theirs) and set(theirs[1]) <= set(have[1])):
+        if not adds_shards(frm.holding(index), to.holding(index)):
             return False
         self._group.merge_shards(frm, to, index)
         return True

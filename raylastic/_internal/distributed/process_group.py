@@ -252,7 +252,7 @@ def destroy_group() -> None:
             pass
         # DeepSpeed caches groups derived from the default one; the next
         # deepspeed.initialize (at the new world size) must build them anew.
-        from raylastic._internal.sharded_deepspeed import release_deepspeed_groups
+        from raylastic._internal.snapshots.sharded.deepspeed import release_deepspeed_groups
         release_deepspeed_groups()
 
 

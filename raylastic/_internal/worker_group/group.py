@@ -25,7 +25,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from raylastic._internal.cluster.drain import alive_nodes, draining_nodes
-from raylastic._internal.holdings import Holding, plan_stripes
+from raylastic._internal.snapshots.placement import Holding, plan_stripes
 from raylastic._internal.worker_group.pool import WorkerHandle, WorkerPool
 from raylastic._internal.worker_group.membership import (  # noqa: F401 - re-exported
     Formed, GroupFormationError, HungWorker, Interrupted, MembersLost, PollBatch, StopOutcome,

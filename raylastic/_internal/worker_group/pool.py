@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import ray
 from ray.exceptions import RayActorError
 
-from raylastic._internal.holdings import WHOLE, Holding, is_whole
+from raylastic._internal.snapshots.placement import WHOLE, Holding, is_whole
 from raylastic._internal.protocol import PROTOCOL_VERSION, Holdings, WorkerInfo
 from raylastic.errors import ConfigError
 from raylastic.policies.node_types import RESOURCE_PREFIX

@@ -30,9 +30,9 @@ from raylastic.checkpoint.uploader import AsyncUploader, checksum_tree
 from raylastic.policies.node_types import MARKET_LABEL, NODE_TYPE_LABEL, RESOURCE_PREFIX
 from raylastic.session import GroupSpec, RestoreInfo, Session, StopTraining, checkpoint_rel
 from raylastic.state import STORE
-from raylastic._internal.holdings import Holding
+from raylastic._internal.snapshots.placement import Holding
 from raylastic._internal.protocol import PROTOCOL_VERSION, ExportedShards, StoreAddress, WorkerInfo
-from raylastic._internal.stripes import held_leaves
+from raylastic._internal.snapshots.capture import held_leaves
 from raylastic._internal.worker_group.results import (
     Holdings, PersistedSnapshot, PollResult, StopAnswer, WorkerStatus,
 )

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2/3 engines as sharded state (see ``sharded.py``): the adapter that
+"""DeepSpeed ZeRO-1/2/3 engines as sharded state (see ``sharded/__init__``): the adapter that
 lets ``ElasticState(engine=...)`` snapshot each rank's ZeRO partition and restore it at
 another world size, in memory.
 
@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from raylastic._internal.sharded import Chunk, Piece
+from raylastic._internal.snapshots.sharded.layout import Chunk, Piece
 
 FRAMEWORK = "deepspeed"
 
@@ -86,7 +86,7 @@ def _is_zero3(opt: Any) -> bool:
 
 
 class DeepSpeedAdapter:
-    """A DeepSpeed engine (ZeRO stage 1, 2 or 3) as :class:`~raylastic._internal.sharded.Chunk` s.
+    """A DeepSpeed engine (ZeRO stage 1, 2 or 3) as :class:`~raylastic._internal.snapshots.sharded.layout.Chunk` s.
 
     Keys: ``zero/<param name>/fp32`` for the fp32 master weight and
     ``zero/<param name>/<state>`` (``exp_avg``, ``exp_avg_sq``, ...) for each optimizer

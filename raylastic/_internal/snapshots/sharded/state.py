@@ -1,5 +1,5 @@
-"""``ElasticState`` for sharded models (FSDP2, DeepSpeed ZeRO): snapshots of the rank's
-own shard plus peer copies, restored at any world size. See ``sharded.py`` for why.
+"""The sharded half of ``ElasticState`` (FSDP2, DeepSpeed ZeRO): snapshots of the rank's
+own shard plus peer copies, restored at any world size. See ``sharded/__init__`` for why.
 
 A sharded snapshot keeps its tensors as ``{"sharded": {s: [tensor, ...]}}``: one list per
 old rank ``s`` of the group that took it, in that rank's chunk order, with ``meta``
@@ -10,52 +10,49 @@ The layout (every old rank's chunks) and the adapter's plain state ride in
 ``plain["sharded"]``.
 
 Memory per rank: a complete snapshot holds the rank's own shard and the shard(s) it
-backs up (``holdings.plan_stripes``: one other with the same number of workers per node,
+backs up (``placement.plan_stripes``: one other with the same number of workers per node,
 so 2x the own shard); two snapshots are kept (the newer is written while the older stays
 restorable), so at most 4x the own shard's state plus the re-partition's transfer buffers
 (one old shard's pieces) during a restore.
 
 Storage: every rank writes its own shard to ``sharded/rank_<r>.pt`` of a persisted
-checkpoint (the manifest commits it once every rank's part is uploaded, as for any
-multi-rank checkpoint); rank 0 also writes ``elastic_state.pt`` with the plain state and
-the layout. Loading at any world size memory-maps the files and reads the overlaps only.
+checkpoint; rank 0 also writes ``elastic_state.pt`` with the plain state and the layout
+(``persist``). Loading at any world size memory-maps the files and reads the overlaps only.
 """
+
 
 from __future__ import annotations
 
-import datetime
 import logging
-import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from raylastic._internal.peer_exchange import PeerExchange, holders_for
-from raylastic._internal.sharded import ROOT, Chunk, _dtype, fill_from_files, layout_fingerprint, reshard_from_memory
-from raylastic._internal.snapshot_copy import PendingCopy, nbytes, plan_copy
+from raylastic._internal.snapshots.capture import PendingCopy, map_leaves, nbytes, plan_copy
+from raylastic._internal.snapshots.persist import read_shards, shard_writer
+from raylastic._internal.snapshots.placement import held_shards
+from raylastic._internal.snapshots.sharded.layout import ROOT, Chunk, dtype_of, layout_fingerprint, meta
+from raylastic._internal.snapshots.sharded.reshard import fill_from_files, reshard_from_memory
+from raylastic._internal.snapshots.store import STORE
+from raylastic._internal.snapshots.transport import PeerExchange, side_group
 
 logger = logging.getLogger("raylastic")
 
-SHARD_DIR = "sharded"
 
+class ShardedState:
+    """The sharded half of one ``ElasticState`` (``registry.Half``): one per train-function
+    attempt. ``overlap``: the copy of the own shard runs until the optimizer's next step."""
 
-def shard_file(rank: int) -> str:
-    return f"{SHARD_DIR}/rank_{rank:05d}.pt"
+    snapshot_on_stop = False  # every rank must take the same snapshots: their peer copies pair up
 
-
-def _meta(c: Chunk) -> torch.Tensor:
-    return torch.empty(c.sizes, dtype=_dtype(c.dtype), device="meta")
-
-
-class ShardedSnapshots:
-    """The sharded half of one ``ElasticState``: one per train-function attempt."""
-
-    def __init__(self, adapter: Any, *, store: Any, state_file: str, rank: int, world: int,
-                 stripe: Tuple[int, ...], timeout_s: float, overlap: bool):
+    def __init__(self, adapter: Any, sess: Any, *, overlap: bool, store: Any = STORE):
+        spec = sess.spec
+        rank, world, stripe = spec.rank, spec.world_size, tuple(spec.stripe)
         self.adapter = adapter
-        self._store, self._state_file = store, state_file  # ElasticState's (passed in: no import cycle)
+        self._sess = sess
+        self._store = store
         self.rank, self.world = rank, world
         self.overlap = overlap
         self._pending: Optional[PendingCopy] = None
@@ -67,12 +64,14 @@ class ShardedSnapshots:
         if dist.is_initialized() and world > 1:
             # Its own gloo group: peer copies run in a background thread and the restore
             # moves host tensors whatever the training backend is (NCCL moves CUDA only).
-            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, 10)))
-            mine = holders_for(world, stripe, rank)
+            self._group = side_group(spec.timeout_s)
+            mine = held_shards(world, stripe, rank)
             everyone: List[Any] = [None] * world
             dist.all_gather_object(everyone, mine, group=self._group)
             self._exchange = PeerExchange(self._group, rank, everyone)
-        self.holds = holders_for(world, stripe, rank)
+        self.holds = held_shards(world, stripe, rank)
+        if overlap:  # the optimizer's next step waits for the copy of the own shard
+            adapter.optimizer.register_step_pre_hook(lambda _o, _a, _k: self.wait())
 
     # -- the copy the next optimizer step waits for -------------------------------------------
     def wait(self) -> None:
@@ -85,9 +84,9 @@ class ShardedSnapshots:
                 self.blocked_s += time.perf_counter() - t0
 
     # -- restore -----------------------------------------------------------------------------
-    def restore_memory(self, snap: Optional[Any]) -> Dict[str, Any]:
+    def restore_memory(self, index: int, snap: Optional[Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """Collective: fill the live state from in-memory snapshot ``snap`` (None on a
-        rank holding none of it). Returns the snapshot's plain state. ValueError: it does
+        rank holding none of it). Returns the snapshot's (plain, rng). ValueError: it does
         not fit (the same on every rank)."""
         layout: Optional[Dict[int, List[Chunk]]] = None
         held: Dict[int, List[torch.Tensor]] = {}
@@ -110,24 +109,24 @@ class ShardedSnapshots:
             plain = reshard_from_memory(group, targets, layout, held, plain)
         assert plain is not None  # held shards came with the snapshot's plain; reshard returns it
         self.adapter.finish_restore(plain[ROOT]["adapter"])
-        return plain
+        return plain, (snap.rng if snap is not None else {})  # a survivor keeps its RNG streams
 
     def restore_storage(self, directory: str, blob: Dict[str, Any]) -> None:
-        """Fill the live state from a persisted sharded checkpoint in ``directory``."""
+        """Fill the live state from a persisted sharded checkpoint in ``directory`` (the
+        per-rank shard files, read while it is there)."""
+        try:
+            self._restore_storage(directory, blob)
+        except ValueError as e:
+            raise ValueError(f"rank {self.rank}: checkpoint {self._sess.restore.checkpoint_rel} does not "
+                             f"fit this model: {e}. Nothing was loaded; start a new run (another "
+                             "RunConfig.name) or restore the matching model") from None
+
+    def _restore_storage(self, directory: str, blob: Dict[str, Any]) -> None:
         plain = blob["plain"]
         if ROOT not in plain:
             raise ValueError("the checkpoint holds replicated (DDP) state; this model is sharded")
         layout = {int(s): cs for s, cs in plain[ROOT]["layout"].items()}
-        inline = blob.get("tensors", {}).get(ROOT)
-        files: Dict[int, Any] = {}
-        for s, cs in layout.items():
-            if inline and s in inline:
-                files[s] = {"chunks": cs, "tensors": inline[s]}
-                continue
-            path = os.path.join(directory, shard_file(s))
-            if not os.path.exists(path):
-                raise ValueError(f"the checkpoint lacks {shard_file(s)} (written by rank {s} of {len(layout)})")
-            files[s] = torch.load(path, weights_only=True, mmap=True)
+        files = read_shards(directory, layout, blob.get("tensors", {}).get(ROOT))
         fill_from_files(self.adapter.restore_targets(), files)
         self.adapter.finish_restore(plain[ROOT]["adapter"])
 
@@ -147,11 +146,19 @@ class ShardedSnapshots:
             self._local_fp = fp
         return self._layout
 
-    def copy(self, snap: Any, old: Optional[Any], on_own_copied: Callable[[Optional[BaseException]], None]
-             ) -> Callable[[], None]:
+    def capture(self, snap: Any, old: Optional[Any], persist: bool) -> Callable[[], None]:
         """Fill ``snap`` (tensors, plain layout, holding) with this commit's shard; returns
-        ``start()``. ``on_own_copied(error)`` runs when this rank's own shard is copied;
-        the peer copies follow in the exchange thread, which sets ``snap.done``."""
+        ``start()``. ``snap`` is complete once this rank's own shard is copied; the peer
+        copies follow in the exchange thread, which sets ``snap.done``."""
+        def own_copied(error: Optional[BaseException]) -> None:
+            snap.error = error
+            if error is None:
+                snap.complete.set()
+
+        return self._copy(snap, old, own_copied)
+
+    def _copy(self, snap: Any, old: Optional[Any], on_own_copied: Callable[[Optional[BaseException]], None]
+              ) -> Callable[[], None]:
         self.wait()
         t0 = time.perf_counter()
         live = self.adapter.live_chunks()
@@ -163,7 +170,7 @@ class ShardedSnapshots:
         own = [plan_copy(d, t, self._defer(c), pending) for (c, t), d in zip(live, own_old)]
         tree: Dict[int, List[torch.Tensor]] = {}
         for s in range(len(layout)):
-            tree[s] = own if s == self.rank else [_meta(c) for c in layout[s]]
+            tree[s] = own if s == self.rank else [meta(c) for c in layout[s]]
         snap.tensors = {ROOT: tree}
         snap.plain[ROOT] = {"layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()},
                             "adapter": self.adapter.plain(), "world": len(layout)}
@@ -208,7 +215,7 @@ class ShardedSnapshots:
                         and str(p.dtype) == c.dtype):
                     bufs.append(p)
                 else:
-                    bufs.append(torch.empty(c.sizes, dtype=_dtype(c.dtype)))
+                    bufs.append(torch.empty(c.sizes, dtype=dtype_of(c.dtype)))
             out[s] = bufs
         return out
 
@@ -232,31 +239,18 @@ class ShardedSnapshots:
             snap.done.set()
 
     def _merge(self, store: Any, snap: Any, leaves: Dict[int, torch.Tensor]) -> None:
-        from raylastic._internal.stripes import map_leaves
         with store._lock:  # the same lock the worker's export/merge take
             snap.tensors = map_leaves(snap.tensors, lambda j, t: leaves[j] if t.is_meta and j in leaves else t)
             snap.holding = (snap.holding[0], tuple(sorted(set(snap.holding[1]) | set(self.holds))))
             snap.nbytes = nbytes(snap.tensors)
 
-    def writer(self, snap: Any, with_plain: bool) -> Callable[[str], None]:
+    def writer(self, snap: Any) -> Optional[Callable[[str], None]]:
         """Writes this rank's own shard of ``snap`` (rank 0: and the plain state)."""
-        snap.pins += 1
+        return shard_writer(snap, self.rank, ROOT, with_plain=self.rank == 0)
 
-        def write(directory: str) -> None:
-            try:
-                snap.done.wait()
-                if snap.error is not None:
-                    raise RuntimeError(f"snapshot {snap.index} was not copied: {snap.error}")
-                layout = snap.plain[ROOT]["layout"]
-                os.makedirs(os.path.join(directory, SHARD_DIR), exist_ok=True)
-                torch.save({"chunks": layout[self.rank], "tensors": snap.tensors[ROOT][self.rank]},
-                           os.path.join(directory, shard_file(self.rank)))
-                if with_plain:
-                    torch.save({"plain": snap.plain, "tensors": {}}, os.path.join(directory, self._state_file))
-            finally:
-                snap.pins -= 1
-
-        return write
+    def shard_bytes(self) -> Optional[int]:
+        """Bytes of this rank's own shard of the state (what one snapshot copies)."""
+        return sum(t.numel() * t.element_size() for _c, t in self.adapter.live_chunks())
 
     def close(self) -> None:
         if self._exchange is not None:
@@ -268,4 +262,4 @@ def own_shard_bytes(snap: Any, rank: int) -> int:
     return sum(t.numel() * t.element_size() for t in tree.get(rank, []) if not t.is_meta)
 
 
-__all__ = ["ShardedSnapshots", "SHARD_DIR", "shard_file", "own_shard_bytes"]
+__all__ = ["ShardedState", "own_shard_bytes"]

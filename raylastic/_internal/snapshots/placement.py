@@ -1,9 +1,18 @@
-"""Who holds which shards of an in-memory snapshot: the torch-free half of striping.
+"""Which rank holds which shards of an in-memory snapshot: pure functions of the group.
 
 The controller plans stripes, checks coverage and picks restore points without touching
-a tensor, so it must not import torch (``stripes.py`` holds the tensor half: splitting a
-state into shards, copying and assembling them). See ``stripes.py`` for why snapshots
-are striped at all.
+a tensor, so this module must not import torch (``capture`` and ``replicated`` hold the
+tensor side: splitting a state into shards, copying and assembling them).
+
+Why stripes: under DDP every rank holds the same model and optimizer state, so W full
+snapshots per step are W-1 copies too many; the copy costs memory bandwidth every step
+and host memory. Surviving the loss of any one node needs every byte on two nodes, not on
+W. So (as Gemini, SOSP'23, places checkpoint replicas) the state's tensors are split into
+W shards of about equal bytes (:func:`shard_of_leaves`); rank r copies shard r and one
+other rank's shard, chosen on another node (:func:`plan_stripes`). Each rank then copies
+about 2/W of the state per step and holds 2/W of it per snapshot: 2/3 with 3 workers, 1/4
+with 8 (with the same number of workers on every node). Sharded state (FSDP2, ZeRO) uses
+the same plan for its peer copies (:func:`held_shards`).
 
 A :data:`Holding` says what one copy of a snapshot holds: ``(nshards, shards)``, or
 :data:`WHOLE` for all of it. It is never None. Only in a list of several members'
@@ -13,6 +22,7 @@ the snapshot" (:data:`HOLDS_NONE`).
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 Holding = Tuple[int, Tuple[int, ...]]
@@ -80,5 +90,33 @@ def restore_from_memory_possible(
     return None
 
 
+def shard_of_leaves(sizes: Sequence[int], nshards: int) -> List[int]:
+    """Shard id of each tensor (by its bytes): largest first onto the lightest shard.
+    Deterministic in ``sizes``, so every rank computes the same split."""
+    return list(_shard_of_leaves(tuple(sizes), nshards))
+
+
+@functools.lru_cache(maxsize=16)  # the same split every commit: not worth recomputing
+def _shard_of_leaves(sizes: Tuple[int, ...], nshards: int) -> Tuple[int, ...]:
+    load = [0] * nshards
+    out = [0] * len(sizes)
+    for j in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
+        s = min(range(nshards), key=lambda k: (load[k], k))
+        out[j] = s
+        load[s] += sizes[j]
+    return tuple(out)
+
+
+def held_shards(world: int, stripe: Sequence[int], rank: int) -> Tuple[int, ...]:
+    """Shards this rank holds of each sharded snapshot: its own, plus the ones
+    ``plan_stripes`` gives it (the second copies); with 2 ranks each backs the other up."""
+    if world == 1:
+        return (0,)
+    if world == 2:
+        return (rank, 1 - rank)
+    mine = set(stripe) if stripe else {rank}
+    return tuple([rank] + sorted(mine - {rank}))
+
+
 __all__ = ["Holding", "WHOLE", "HOLDS_NONE", "is_whole", "plan_stripes", "covered",
-           "restore_from_memory_possible"]
+           "restore_from_memory_possible", "shard_of_leaves", "held_shards"]

@@ -1,4 +1,4 @@
-"""Copying live training state into snapshot buffers, off the training path.
+"""Capture: live training state into host snapshot buffers, off the training path.
 
 Why a background copy is safe: between two optimizer steps, the parameters and the
 optimizer's state are read (forward, backward, all-reduce) but never written. So the copy
@@ -14,26 +14,97 @@ optimizer's stream waits on their event, so the GPU never stalls the CPU for the
 
 Buffers are recycled from the snapshot before last (double buffering): no allocation and
 no page faults per step once warm.
+
+The state is walked as a tree of dicts, lists and tuples whose leaves are tensors
+(:func:`leaves`, :func:`map_leaves`): a leaf's position in that walk names a replicated
+piece everywhere (striping, merging another copy's shards, assembling on a restore).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import queue
 import threading
 import time
-from typing import Any, Callable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from raylastic._internal.holdings import WHOLE, Holding
-from raylastic._internal.stripes import keep_mask
+from raylastic._internal.snapshots.placement import WHOLE, Holding, is_whole, shard_of_leaves
 
 Pair = Tuple[torch.Tensor, torch.Tensor]  # (host destination, live source)
 
 
+# -- the state as a tree of tensors ---------------------------------------------------------
+def leaves(obj: Any) -> List[torch.Tensor]:
+    """The tensors of a state-dict-like tree, in traversal order."""
+    out: List[torch.Tensor] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return out
+
+
+def map_leaves(obj: Any, fn: Callable[[int, torch.Tensor], Any]) -> Any:
+    """A copy of the tree with the j-th tensor replaced by ``fn(j, tensor)``."""
+    counter = [0]
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            j = counter[0]
+            counter[0] += 1
+            return fn(j, o)
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return type(o)(walk(v) for v in o)
+        return o
+
+    return walk(obj)
+
+
+def held_leaves(tree: Any) -> Dict[int, torch.Tensor]:
+    """The tensors a (striped) copy really holds, by leaf position."""
+    return {j: t for j, t in enumerate(leaves(tree)) if not t.is_meta}
+
+
+def leaf_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def keep_mask(tree: Any, holding: Holding) -> Optional[List[bool]]:
+    """Per tensor of ``tree``: does a rank with ``holding`` copy it? None: all."""
+    if is_whole(holding):
+        return None
+    nshards, shards = holding
+    mine = frozenset(shards)
+    return [s in mine for s in shard_of_leaves([leaf_bytes(t) for t in leaves(tree)], nshards)]
+
+
+def to_meta(tree: Any) -> Any:
+    return map_leaves(tree, lambda _j, t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
+
+
+def fingerprint(tree: Any) -> str:
+    """Shapes and dtypes of a tree's tensors, in order (equal on every rank for copies of
+    one replicated state)."""
+    spec = repr([(tuple(t.shape), str(t.dtype)) for t in leaves(tree)])
+    return hashlib.sha1(spec.encode()).hexdigest()
+
+
+# -- copying -------------------------------------------------------------------------------------
 def nbytes(obj: Any) -> int:
-    """Host bytes held (``meta`` placeholders of a striped snapshot hold none)."""
+    """Host bytes held (``meta`` placeholders of a striped copy hold none)."""
     if isinstance(obj, torch.Tensor):
         return 0 if obj.is_meta else obj.numel() * obj.element_size()
     if isinstance(obj, dict):
@@ -211,7 +282,7 @@ class StateCopier:
         function. Call ``start()`` once the buffers are stored where readers will look:
         ``on_done(error)`` runs when every byte is copied (maybe at once, maybe later in
         the copy thread). ``holding`` (nshards, shards): copy only those shards of the
-        state (see ``_internal/stripes.py``); WHOLE: everything."""
+        state (see ``placement``); WHOLE: everything."""
         self.wait()
         t0 = time.perf_counter()
         old = old or {}

@@ -1,0 +1,124 @@
+"""FSDP2 (``fully_shard``) models and their optimizers as sharded state: the adapter that
+describes a rank's DTensor shards as pieces (see ``sharded/__init__``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from raylastic._internal.snapshots.sharded.layout import Chunk, Piece
+
+
+def is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(t, DTensor)
+
+
+def uses_dtensors(model: Optional[torch.nn.Module]) -> bool:
+    return model is not None and any(is_dtensor(p) for p in model.parameters())
+
+
+def _dtensor_chunk(key: str, t: Any) -> Piece:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    local = t._local_tensor  # the rank's shard, sharing storage with the parameter
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise RuntimeError(f"{key}: local shard shape {tuple(local.shape)} differs from the placement's "
+                           f"{tuple(shape)} (padded or strided shards are not supported)")
+    return Chunk(key, tuple(t.shape), tuple(offset), tuple(local.shape), str(local.dtype)), local
+
+
+def _whole_chunk(key: str, t: torch.Tensor) -> Piece:
+    return Chunk(key, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), str(t.dtype)), t
+
+
+def _piece(key: str, t: torch.Tensor) -> Piece:
+    return _dtensor_chunk(key, t) if is_dtensor(t) else _whole_chunk(key, t)
+
+
+class FSDP2Adapter:
+    """FSDP2 (``fully_shard``) model + optimizer as chunks.
+
+    Keys are parameter and buffer names (FSDP2 keeps the module's FQNs) and
+    ``optim/<param name>/<state name>`` for each tensor of the optimizer's per-parameter
+    state that has the parameter's shape. Scalar per-parameter state (Adam's ``step``),
+    the param groups' hyper-parameters and non-tensor state are ``plain``: the same on
+    every rank."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]):
+        self.model = model
+        self.optimizer = optimizer
+        self._names = {id(p): n for n, p in model.named_parameters()}
+
+    def _optim_items(self) -> Iterable[Tuple[str, str, Any]]:
+        if self.optimizer is None:
+            return
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                name = self._names.get(id(p))
+                if name is None:
+                    raise ValueError("the optimizer holds a parameter that is not the model's: register the "
+                                     "model the optimizer was built on (ElasticState(model=..., optimizer=...))")
+                for k, v in self.optimizer.state.get(p, {}).items():
+                    yield name, k, v
+
+    def live_chunks(self) -> List[Piece]:
+        out: List[Piece] = [_piece(f"model/{n}", p.detach() if not is_dtensor(p) else p)
+                            for n, p in self.model.named_parameters()]
+        out += [_whole_chunk(f"buffer/{n}", b) for n, b in self.model.named_buffers()]
+        for name, k, v in self._optim_items():
+            if isinstance(v, torch.Tensor) and (is_dtensor(v) or v.dim() > 0):
+                out.append(_piece(f"optim/{name}/{k}", v))
+        return out
+
+    def plain(self) -> Dict[str, Any]:
+        scalars: Dict[str, Dict[str, Any]] = {}
+        for name, k, v in self._optim_items():
+            if isinstance(v, torch.Tensor) and (is_dtensor(v) or v.dim() > 0):
+                continue
+            scalars.setdefault(name, {})[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups] \
+            if self.optimizer is not None else []
+        return {"framework": "fsdp2", "optimizer": type(self.optimizer).__name__ if self.optimizer else None,
+                "scalars": scalars, "param_groups": groups}
+
+    def restore_targets(self) -> List[Piece]:
+        if self.optimizer is not None and not self.optimizer.state:
+            # A new optimizer has no moments yet: create them (a zero-gradient step with lr 0,
+            # as torch.distributed.checkpoint does) so there are tensors to fill.
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+            _init_optim_state(self.optimizer)
+        return self.live_chunks()
+
+    def finish_restore(self, plain: Dict[str, Any]) -> None:
+        if plain.get("framework") != "fsdp2":
+            raise ValueError(f"the snapshot was taken with {plain.get('framework')!r}, not FSDP2")
+        if self.optimizer is None:
+            return
+        if plain.get("optimizer") != type(self.optimizer).__name__:
+            raise ValueError(f"the snapshot's optimizer is {plain.get('optimizer')}, this one is "
+                             f"{type(self.optimizer).__name__}")
+        groups = plain.get("param_groups", [])
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"the snapshot has {len(groups)} optimizer param groups, this optimizer "
+                             f"{len(self.optimizer.param_groups)}")
+        for g, saved in zip(self.optimizer.param_groups, groups):
+            g.update(saved)
+        scalars = plain.get("scalars", {})
+        by_name = {n: p for n, p in self.model.named_parameters()}
+        for name, vals in scalars.items():
+            st = self.optimizer.state[by_name[name]]
+            for k, v in vals.items():
+                cur = st.get(k)
+                if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
+                    cur.copy_(v)
+                else:
+                    st[k] = v
+
+
+__all__ = ["FSDP2Adapter", "uses_dtensors", "is_dtensor"]

@@ -1,0 +1,106 @@
+"""Re-partitioning sharded state: filling this rank's pieces in the new layout from the old
+shards, in memory over the group (:func:`reshard_from_memory`) or from the shard files of
+a persisted checkpoint (:func:`fill_from_files`). See ``sharded/__init__`` for why.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, check_fits, dtype_of, fill, overlap
+
+
+def _fill_targets(targets: Sequence[Piece], pieces: Sequence[Piece], counts: List[int]) -> None:
+    for i, (c, t) in enumerate(targets):
+        counts[i] += fill(c, t, pieces)
+
+
+def reshard_from_memory(group: Any, targets: Sequence[Piece], layout: Optional[Mapping[int, List[Chunk]]],
+                        held: Mapping[int, Sequence[torch.Tensor]], plain: Optional[Dict[str, Any]]
+                        ) -> Dict[str, Any]:
+    """Collective over ``group``: fill every rank's ``targets`` from the old shards the
+    members hold. ``layout``: old shard -> its chunks (None on a rank holding nothing);
+    ``held``: old shard -> this rank's host tensors of it. Returns the snapshot's plain
+    state (from the lowest holder). Raises ValueError on every rank alike when the old
+    state does not fit or the holders do not cover it."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = {"held": sorted(held), "targets": [c.as_tuple() for c, _t in targets],
+            "layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()} if layout else None,
+            "plain": plain if held else None}
+    everyone: List[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    ref = next((e for e in everyone if e["held"]), None)
+    problem = None
+    if ref is None:
+        problem = "no member holds any shard of the snapshot"
+    else:
+        old = {int(s): [Chunk.of(t) for t in cs] for s, cs in ref["layout"].items()}
+        have = set().union(*(set(e["held"]) for e in everyone))
+        if not have >= set(old):
+            problem = f"the members hold shards {sorted(have)} of {len(old)}: not all of them"
+        else:
+            try:
+                check_fits([c for cs in old.values() for c in cs],
+                           [Chunk.of(t) for e in everyone for t in e["targets"]])
+            except ValueError as e:
+                problem = str(e)
+    if problem is not None:
+        raise ValueError(problem)
+    assert ref is not None  # else problem is set
+    holder = {s: min(q for q, e in enumerate(everyone) if s in e["held"]) for s in old}
+    wants = [[Chunk.of(t) for t in e["targets"]] for e in everyone]
+    counts = [0] * len(targets)
+    seen = set()
+    for s in sorted(old):
+        h = holder[s]
+        works, received = [], []
+        for j, c in enumerate(old[s]):
+            dedupe = (c.key, c.offsets, c.sizes)
+            if dedupe in seen:
+                continue  # a replicated piece already placed from an earlier shard
+            seen.add(dedupe)
+            need = [q for q in range(world)
+                    if any(w.key == c.key and (w.global_shape == () or overlap(w, c)) for w in wants[q])]
+            if rank == h:
+                t = held[s][j]
+                if rank in need:
+                    _fill_targets(targets, [(c, t)], counts)
+                for q in need:
+                    if q != rank and c.numel():
+                        works.append(dist.isend(t.contiguous(), dst=q, group=group, tag=j))
+            elif rank in need:
+                buf = torch.empty(c.sizes, dtype=dtype_of(c.dtype))
+                if c.numel():
+                    works.append(dist.irecv(buf, src=h, group=group, tag=j))
+                received.append((c, buf))
+        for w in works:
+            assert w is not None  # None only for a rank outside the group
+            w.wait()
+        _fill_targets(targets, received, counts)
+    short = [(c.key, n, c.numel()) for (c, _t), n in zip(targets, counts) if n < c.numel()]
+    if short:  # cannot happen after check_fits; a guard against silent partial loads
+        raise RuntimeError(f"rank {rank}: pieces not filled after the re-partition: {short[:3]}")
+    return ref["plain"]
+
+
+def fill_from_files(targets: Sequence[Piece], shard_files: Mapping[int, Any]) -> None:
+    """Storage restore: ``shard_files`` old rank -> its loaded file ({"chunks", "tensors"},
+    memory-mapped); raises ValueError when they do not fit."""
+    old = {s: [Chunk.of(t) for t in f["chunks"]] for s, f in shard_files.items()}
+    check_fits([c for cs in old.values() for c in cs], [c for c, _t in targets])
+    counts = [0] * len(targets)
+    seen = set()
+    for s in sorted(old):
+        pieces = []
+        for c, t in zip(old[s], shard_files[s]["tensors"]):
+            k = (c.key, c.offsets, c.sizes)
+            if k not in seen:
+                seen.add(k)
+                pieces.append((c, t))
+        _fill_targets(targets, pieces, counts)
+
+
+__all__ = ["reshard_from_memory", "fill_from_files"]

@@ -1,0 +1,132 @@
+"""The process-wide store of in-memory snapshots.
+
+Why process-wide: a resize unwinds the train function and calls it again in the same
+worker process, and the snapshots must outlive it (they are what the next attempt
+restores from). The store keeps the newest ``keep`` snapshots of one run, hands the
+oldest back for its buffers to be reused (double buffering), and answers the worker's
+questions for the controller (which snapshots are complete here, which are striped).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from raylastic._internal.snapshots.capture import leaves, map_leaves, nbytes
+from raylastic._internal.snapshots.persist import save_whole
+from raylastic._internal.snapshots.placement import WHOLE, Holding, is_whole
+
+
+@dataclass
+class Snapshot:
+    index: int  # report index this snapshot was committed at
+    plain: Dict[str, Any]
+    tensors: Dict[str, Any] = field(default_factory=dict)  # model/optimizer state dicts (cloned)
+    rng: Dict[str, Any] = field(default_factory=dict)
+    complete: threading.Event = field(default_factory=threading.Event)  # copied successfully
+    done: threading.Event = field(default_factory=threading.Event)  # copy over, either way
+    error: Optional[BaseException] = None
+    nbytes: int = 0
+    pins: int = 0  # a background writer is reading the tensors: do not recycle
+    # (nshards, shards) this copy holds (the rest are meta placeholders, see
+    # ``placement``); WHOLE: a full copy.
+    holding: Holding = WHOLE
+
+    def save(self, directory: str) -> None:
+        """Write the restorable part (what ``ElasticState`` reads back from storage)."""
+        save_whole(self, directory)
+
+
+class SnapshotStore:
+    """Process-wide: snapshots outlive a train function that was unwound for a resize."""
+
+    def __init__(self, keep: int = 2):
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._snaps: List[Snapshot] = []
+        self.run: Optional[str] = None
+
+    def add(self, run: str, snap: Snapshot) -> None:
+        with self._lock:
+            if self.run != run:
+                self._snaps, self.run = [], run
+            self._snaps = [s for s in self._snaps if s.index < snap.index][-(self._keep - 1):] + [snap]
+
+    def recycle(self, run: str) -> Optional[Snapshot]:
+        """Take the oldest snapshot out of the store so its tensor buffers can be reused
+        (double buffering: no 100s of MB allocated and page-faulted per step). Only when
+        the store is full, and never a pinned one or the newest complete one."""
+        with self._lock:
+            if self.run != run or len(self._snaps) < self._keep:
+                return None
+            oldest = self._snaps[0]
+            if oldest.pins or not oldest.complete.is_set():
+                return None
+            self._snaps.pop(0)
+            oldest.complete.clear()
+            oldest.done.clear()
+            return oldest
+
+    def complete_indices(self, run: str) -> List[int]:
+        with self._lock:
+            if self.run != run:
+                return []
+            return [s.index for s in self._snaps if s.complete.is_set()]
+
+    def stripes(self, run: str) -> Dict[int, Tuple[int, Tuple[int, ...]]]:
+        """Complete snapshots that hold only some shards: index -> (nshards, shards)."""
+        with self._lock:
+            if self.run != run:
+                return {}
+            return {s.index: s.holding for s in self._snaps if s.complete.is_set() and not is_whole(s.holding)}
+
+    def merge(self, run: str, index: int, holding: Holding, tensors: Dict[int, torch.Tensor]) -> Holding:
+        """Fill snapshot ``index``'s placeholders with another copy's tensors (by leaf
+        position); returns what it holds now (WHOLE: all of it)."""
+        with self._lock:
+            snap = next((s for s in self._snaps if self.run == run and s.index == index
+                         and s.complete.is_set()), None)
+            if snap is None:
+                raise RuntimeError(f"no complete in-memory snapshot {index} to merge into")
+            snap.tensors = map_leaves(snap.tensors, lambda j, t: tensors[j] if t.is_meta and j in tensors else t)
+            if not any(t.is_meta for t in leaves(snap.tensors)):
+                snap.holding = WHOLE
+            elif not is_whole(snap.holding) and not is_whole(holding):
+                snap.holding = (snap.holding[0], tuple(sorted(set(snap.holding[1]) | set(holding[1]))))
+            snap.nbytes = nbytes(snap.tensors)
+            return snap.holding
+
+    def get(self, run: str, index: int) -> Optional[Snapshot]:
+        with self._lock:
+            if self.run != run:
+                return None
+            for s in self._snaps:
+                if s.index == index and s.complete.is_set():
+                    return s
+        return None
+
+    def drop_after(self, run: str, index: int) -> None:
+        """Forget snapshots newer than the restore point (a rolled-back future)."""
+        with self._lock:
+            if self.run == run:
+                self._snaps = [s for s in self._snaps if s.index <= index]
+
+    def wait_pending(self, timeout_s: float = 30.0) -> None:
+        """Let in-flight tensor copies finish (a stopping worker's last snapshot)."""
+        with self._lock:
+            snaps = list(self._snaps)
+        for snap in snaps:
+            snap.done.wait(timeout_s)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes for s in self._snaps)
+
+
+STORE = SnapshotStore()
+
+
+__all__ = ["Snapshot", "SnapshotStore", "STORE"]
