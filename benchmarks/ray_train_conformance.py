@@ -10,11 +10,13 @@ The test files are Ray's (``python/ray/train/v2/tests/`` of ray-project/ray, the
 matching the installed ray); they are public reference code and are not part of this
 repository: fetch them into a directory and pass it with ``--tests``. They need helpers
 that the ray wheel does not ship (``ray.train.tests.util``, ``ray.tests.client_test_utils``,
-``ray.train.v2.tests.util``, the ``mock_s3_bucket_uri`` fixture); this script writes small
+``ray.train.v2.tests.util``, ``ray.data.tests.conftest``'s ``restore_data_context``, the
+``mock_s3_bucket_uri`` fixture); this script writes small
 stand-ins for them into ``<tests>/_conformance/`` and serves them through a
 ``sitecustomize`` on ``PYTHONPATH``, so that Ray's worker processes (which import the test
 modules to unpickle train functions) find them too. ``ray.train.v2.tests.util`` is taken
-from ``<tests>/util.py`` when it is there.
+from ``<tests>/util.py`` when it is there (else the stand-in has the three names
+``test_data_integration.py`` imports).
 
 Substitution (``--trainer ours``): before a test module is imported, in every process,
 ``ray.train.torch.TorchTrainer`` and ``ray.train.v2.torch.torch_trainer.TorchTrainer`` become
@@ -22,9 +24,10 @@ Substitution (``--trainer ours``): before a test module is imported, in every pr
 ``raylastic.TorchTrainer(fn, torch_config=B, ...)``.
 
 Each file runs in its own pytest process with a per-test timeout (Ray's trainer can hang
-in ``fit()``: a hung test fails, the file goes on) and a per-file timeout; Ray is stopped
-after a file that timed out. Every command that starts Ray must hold the project's Ray
-lock::
+in ``fit()``: a hung test fails, the file goes on) and a per-file timeout; after each file
+the processes it started (they carry a marker in their environment) are killed, so a timed-out
+file leaves no Ray cluster behind (``ray stop`` is never run: it would end other clusters).
+Every command that starts Ray must hold the project's Ray lock::
 
     timeout 3600 flock /tmp/raylastic-ray.lock .venv/bin/python benchmarks/ray_train_conformance.py \\
         --tests /tmp/raytests [--trainer both|ray|ours] [--files test_result.py ...]
@@ -101,6 +104,70 @@ def load_dict_checkpoint(checkpoint):
             return pickle.load(f)
 '''
 
+_V2_TESTS_UTIL = '''
+"""ray.train.v2.tests.util, the three names test_data_integration.py takes from it: a worker
+group of mock workers (enough for DatasetsCallback.before_init_train_context), an
+ObjectRefWrapper that skips ray.put, and a TrainRunContext with test defaults."""
+import dataclasses
+from unittest.mock import MagicMock
+
+from ray.train.v2._internal.util import ObjectRefWrapper
+
+
+class DummyWorkerGroup:
+    def __init__(self, train_run_context, worker_group_context, callbacks=None):
+        self._num_workers = worker_group_context.num_workers
+        self._workers = None
+
+    def _start(self):
+        self._workers = [MagicMock() for _ in range(self._num_workers)]
+
+    def get_workers(self):
+        assert self._workers is not None, "not started"
+        return self._workers
+
+    def shutdown(self):
+        self._workers = None
+
+
+class DummyObjectRefWrapper(ObjectRefWrapper):
+    def __init__(self, obj):
+        self._obj = obj
+
+    def get(self):
+        return self._obj
+
+
+def create_dummy_run_context(**kwargs):
+    from ray.train import BackendConfig, DataConfig
+    from ray.train.v2._internal.execution.context import TrainRunContext
+    from ray.train.v2.api.config import RunConfig, ScalingConfig
+
+    config = dict(run_config=RunConfig(name="test"), train_loop_config={},
+                  scaling_config=ScalingConfig(num_workers=1), backend_config=BackendConfig(),
+                  datasets={}, dataset_config=DataConfig())
+    config.update(kwargs)
+    # (the installed wheel's TrainRunContext may take fewer fields, e.g. 2.60.0 has no datasets)
+    accepted = {f.name for f in dataclasses.fields(TrainRunContext) if f.init}
+    return TrainRunContext(**{k: v for k, v in config.items() if k in accepted})
+'''
+
+_DATA_CONFTEST = '''
+"""ray.data.tests.conftest's ``restore_data_context`` fixture: the test may change the
+current DataContext; it is put back afterwards."""
+import copy
+
+import pytest
+from ray.data.context import DataContext
+
+
+@pytest.fixture
+def restore_data_context():
+    original = copy.deepcopy(DataContext.get_current())
+    yield original
+    DataContext._set_current(original)
+'''
+
 _PLUGIN = '''
 """pytest plugin: the ``mock_s3_bucket_uri`` fixture of ray's python/ray/tests/conftest.py
 (a moto S3 server on localhost with a fresh bucket), and the trainer swap in the pytest
@@ -143,10 +210,12 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TESTS = os.path.dirname(_HERE)
-_PACKAGES = {"ray.tests": None, "ray.train.tests": None, "ray.train.v2.tests": None}
+_PACKAGES = {"ray.tests": None, "ray.train.tests": None, "ray.train.v2.tests": None, "ray.data.tests": None}
 _MODULES = {
     "ray.tests.client_test_utils": os.path.join(_HERE, "client_test_utils.py"),
     "ray.train.tests.util": os.path.join(_HERE, "train_tests_util.py"),
+    "ray.train.v2.tests.util": os.path.join(_HERE, "v2_tests_util.py"),
+    "ray.data.tests.conftest": os.path.join(_HERE, "data_tests_conftest.py"),
 }
 if os.path.exists(os.path.join(_TESTS, "util.py")):
     _MODULES["ray.train.v2.tests.util"] = os.path.join(_TESTS, "util.py")
@@ -208,6 +277,7 @@ def write_support(tests_dir: str) -> str:
     support = os.path.join(tests_dir, "_conformance")
     os.makedirs(support, exist_ok=True)
     for name, text in (("client_test_utils.py", _CLIENT_TEST_UTILS), ("train_tests_util.py", _TRAIN_TESTS_UTIL),
+                       ("v2_tests_util.py", _V2_TESTS_UTIL), ("data_tests_conftest.py", _DATA_CONFTEST),
                        ("conformance_plugin.py", _PLUGIN), ("sitecustomize.py", _SITECUSTOMIZE)):
         with open(os.path.join(support, name), "w") as f:
             f.write(textwrap.dedent(text).lstrip())
@@ -235,23 +305,33 @@ def parse_outcomes(output: str) -> Dict[str, str]:
     return outcomes
 
 
-def _ray_stop() -> None:
-    subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
-                   capture_output=True, timeout=120)
+_MARK = "RAYLASTIC_CONFORMANCE_RUN"
 
 
-def _raylet_running() -> bool:
-    """A raylet on this machine. The caller holds the project's Ray lock, so it is one a
-    killed run left behind: Ray's tests call ``ray.init(num_cpus=4)``, which fails when a
-    cluster is already there ("When connecting to an existing cluster ...")."""
+def _kill_marked(run_id: str = "") -> int:
+    """SIGKILL the processes that carry this harness's marker in their environment (the
+    pytest process of a file and every Ray process it started: they inherit it), for one
+    file's ``run_id`` or, with "", those any earlier run of this harness left behind.
+    Never ``ray stop``: other Ray clusters on this machine are not ours to end."""
+    import signal
+
+    want = f"{_MARK}={run_id}".encode() if run_id else f"{_MARK}=".encode()
+    killed = 0
     for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"/raylet/raylet" in f.read().split(b"\0")[0]:
-                    return True
-        except (OSError, ValueError):
+        if not pid.isdigit() or int(pid) == os.getpid():
             continue
-    return False
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(e.startswith(want) and (run_id == "" or e == want) for e in env):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+    return killed
 
 
 def run_file(tests_dir: str, support: str, name: str, trainer: str, file_timeout_s: int,
@@ -260,10 +340,11 @@ def run_file(tests_dir: str, support: str, name: str, trainer: str, file_timeout
     env["PYTHONPATH"] = support + os.pathsep + src
     env["RAYLASTIC_CONFORMANCE"] = trainer
     env.setdefault("HF_HUB_OFFLINE", "1")
+    run_id = f"{os.getpid()}-{time.time_ns()}"
+    env[_MARK] = run_id
     cmd = [sys.executable, "-m", "pytest", "-v", "-rA", "-p", "conformance_plugin", "-p", "no:cacheprovider",
            f"--timeout={test_timeout_s}", name]
-    if _raylet_running():
-        _ray_stop()
+    _kill_marked()  # what an earlier, killed run of this harness left
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=tests_dir, env=env, capture_output=True, text=True, timeout=file_timeout_s)
@@ -272,8 +353,8 @@ def run_file(tests_dir: str, support: str, name: str, trainer: str, file_timeout
         output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         timed_out, rc = True, None
     wall_s = time.monotonic() - start
-    if timed_out or rc not in (0, 1):
-        _ray_stop()  # a killed run can leave its Ray cluster behind; the next file needs the CPUs
+    time.sleep(2)
+    _kill_marked(run_id)  # a killed or crashed run can leave its Ray cluster behind; the next file needs the CPUs
     with open(os.path.join(log_dir, f"{name[:-3]}.{trainer}.{os.path.basename(src.rstrip(os.sep))}.log"), "w") as f:
         f.write(output)
     outcomes = parse_outcomes(output)

@@ -27,7 +27,9 @@ from ray.train import Checkpoint
 from ray.train.v2.api.result import Result as RayResult
 
 from raylastic import session as _session
-from raylastic._internal.ray_train_checkpoints import Retention, write_ray_snapshot
+from raylastic._internal.ray_train_checkpoints import (
+    Retention, honour_dir_names, settle_before_error, write_ray_snapshot,
+)
 from raylastic._internal.ray_train_errors import as_ray_error
 from raylastic._internal.ray_train_hooks import RayTrainHooks
 from raylastic._internal.ray_train_local import LocalRun, is_local_mode
@@ -78,7 +80,9 @@ class TorchTrainer:
             formed, and its ``train_func_context`` around the train function.
         scaling_config: ``ray.train.ScalingConfig``; ``num_workers=n`` or ``(min, max)``.
         run_config: ``ray.train.RunConfig`` with its ``FailureConfig`` and ``CheckpointConfig``;
-            its ``callbacks`` (``ray.train.UserCallback``) are called as Ray Train calls them.
+            its ``callbacks`` (``ray.train.UserCallback``) are called as Ray Train calls them;
+            ``storage_filesystem`` (a picklable ``pyarrow.fs.FileSystem``) holds the run at
+            ``storage_path`` on it. ``report(checkpoint_dir_name=name)`` writes ``<run>/<name>/``.
         datasets: ``{name: ray.data.Dataset}``; ``ray.train.get_dataset_shard(name)`` in the
             train function returns this rank's iterator. Split datasets keep a position
             that survives resizes (docs/data.md, "Ray Data input").
@@ -135,6 +139,8 @@ class TorchTrainer:
         self._trainer = ElasticTrainer(func, train_loop_config=train_loop_config,
                                        scaling_config=translation.scaling, run_config=translation.run,
                                        datasets=datasets, dataset_config=dataset_config)
+        if chdir_to_run_dir_enabled():  # read here, in the driver, as Ray Train reads it
+            func.working_dir = translation.run.name or self._trainer._name
         if backend is not None or translation.callbacks:
             self._trainer._hooks = RayTrainHooks(
                 backend, translation.callbacks,
@@ -222,14 +228,18 @@ class ResumeFrom:
     own (then, after any restart, that one wins); ``retention`` is the run's
     ``CheckpointConfig`` rules, which ``ray.train.get_all_reported_checkpoints()`` applies;
     ``context`` (a custom ``BackendConfig``'s ``train_func_context``) is entered around the
-    train function, as Ray Train's workers do."""
+    train function, as Ray Train's workers do; ``working_dir`` (the run's name, or None) is
+    the directory under ``<Ray session dir>/artifacts/`` the worker changes into first
+    (``RAY_CHDIR_TO_TRIAL_DIR``, on by default, as in Ray Train)."""
 
     def __init__(self, func: Callable, checkpoint: Optional[Checkpoint] = None,
-                 retention: Optional[Retention] = None, context: Optional[Callable] = None):
+                 retention: Optional[Retention] = None, context: Optional[Callable] = None,
+                 working_dir: Optional[str] = None):
         self.func = func
         self.checkpoint = checkpoint
         self.retention = retention or Retention()
         self.context = context
+        self.working_dir = working_dir
 
     def __call__(self, config: Dict[str, Any]) -> Any:
         # Here, not at the top: the worker module imports torch (it is loaded already in
@@ -240,8 +250,57 @@ class ResumeFrom:
         if self.checkpoint is not None:
             _session._get_session().initial_checkpoint = self.checkpoint
         ray_train_compat.set_retention(self.retention)
-        with (self.context or contextlib.nullcontext)():
-            return _call(self.func, config)
+        honour_dir_names()
+        if self.working_dir is not None:
+            chdir_to_run_dir(self.working_dir)
+        try:
+            with (self.context or contextlib.nullcontext)():
+                return _call(self.func, config)
+        except Exception:
+            finish_uploads()
+            raise
+
+
+UPLOAD_WAIT_ON_ERROR_S = 60.0
+SETTLE_ON_ERROR_S = 10.0
+
+
+def finish_uploads(timeout_s: float = UPLOAD_WAIT_ON_ERROR_S, settle_s: float = SETTLE_ON_ERROR_S) -> None:
+    """The train function raised: let this rank's checkpoint uploads in flight finish (at
+    most ``timeout_s``), then wait (at most ``settle_s``) for the checkpoint of its last
+    reports to commit with the other ranks' (``ray_train_checkpoints.settle_before_error``),
+    before the error reaches the controller: every checkpoint reported before the error can
+    commit, as in Ray Train, where ``report()`` returns once its checkpoint is registered.
+    (A stop or abort is a ``BaseException``: not waited for.)"""
+    sess = _session._session
+    if sess is None or sess.aborted:
+        return
+    if sess.uploader is not None:
+        sess.uploader.wait(timeout_s)
+    try:
+        settle_before_error(sess, settle_s)
+    except Exception as e:  # noqa: BLE001 - the train function's own error is what must surface
+        logger.debug("settling reports before the error failed: %s", e)
+
+
+def chdir_to_run_dir_enabled() -> bool:
+    """``RAY_CHDIR_TO_TRIAL_DIR`` as Ray Train reads it (``env_bool``, default on)."""
+    from ray._private.ray_constants import env_bool
+    from ray.train.constants import RAY_CHDIR_TO_TRIAL_DIR
+
+    return bool(env_bool(RAY_CHDIR_TO_TRIAL_DIR, True))
+
+
+def chdir_to_run_dir(name: str) -> str:
+    """Change this worker process into ``<Ray session dir>/artifacts/<name>`` (created if
+    missing), Ray Train's per-run working directory on every node, and return it. The change
+    is process-wide and stays after the train function, as in Ray Train's workers."""
+    from ray.train.constants import _get_ray_train_session_dir
+
+    path = os.path.join(_get_ray_train_session_dir(), name)
+    os.makedirs(path, exist_ok=True)
+    os.chdir(path)
+    return path
 
 
 def run_context(translation: Translation, scaling_config: Any, run_config: Any, torch_config: Any,

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, cast
 
+import pyarrow.fs as pafs
 from ray._common.utils import RESOURCE_CONSTRAINT_PREFIX
 from ray.train.v2._internal.constants import _DEPRECATED
 from ray.train.v2.api.config import (
@@ -215,12 +216,15 @@ def translate_run(rc: RayRunConfig, ignored: List[Ignored]) -> RunConfig:
         if getattr(rc, name) != _DEPRECATED:
             raise _refuse(f"RunConfig.{name}", getattr(rc, name),
                           "Ray Train 2.x deprecated it (a Ray Tune option)", f"remove {name}")
-    if rc.storage_filesystem is not None:
-        raise _refuse("RunConfig.storage_filesystem", type(rc.storage_filesystem).__name__,
-                      "raylastic opens storage from a path or URI, on every node",
-                      "pass the full URI as storage_path (s3://bucket/path, gs://bucket/path, "
-                      "abfs://container@account.dfs.core.windows.net/path) with credentials in the "
-                      "environment; see docs/storage.md")
+    storage_path = rc.storage_path
+    if rc.storage_filesystem is not None:  # storage_path is a path on that filesystem, as in Ray Train
+        if not isinstance(rc.storage_filesystem, pafs.FileSystem):
+            raise _refuse("RunConfig.storage_filesystem", type(rc.storage_filesystem).__name__,
+                          "it must be a pyarrow.fs.FileSystem", "pass a pyarrow.fs.FileSystem, or the "
+                          "full URI as storage_path (s3://bucket/path, gs://bucket/path; docs/storage.md)")
+        from raylastic.checkpoint.backends import filesystem_uri
+
+        storage_path = filesystem_uri(rc.storage_filesystem, str(storage_path))
     if rc.worker_runtime_env:
         raise _refuse("RunConfig.worker_runtime_env", rc.worker_runtime_env,
                       "raylastic's worker actors take the job's runtime environment",
@@ -235,7 +239,7 @@ def translate_run(rc: RayRunConfig, ignored: List[Ignored]) -> RunConfig:
                                "does not run here; raylastic logs to the 'raylastic' logger"))
     failure = translate_failure(rc.failure_config, ignored)
     checkpoint = translate_checkpoint(rc.checkpoint_config, ignored)
-    return _ours(RunConfig, name=rc.name, storage_path=rc.storage_path, failure_config=failure,
+    return _ours(RunConfig, name=rc.name, storage_path=storage_path, failure_config=failure,
                  checkpoint_config=checkpoint)
 
 

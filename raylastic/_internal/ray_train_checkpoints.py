@@ -8,8 +8,8 @@ reports are not collectives: a checkpoint commits when the controller has every 
 record of that report index, its files uploaded. So a caller waits for:
 
 1. every rank of its group to have made at least as many reports (each rank publishes its
-   report count, and the last index at which it passed checkpoint files, in the group's
-   TCPStore: one ``set`` per report);
+   report count, the last index at which it passed checkpoint files and the directory they
+   went to, in the group's TCPStore: one ``set`` per report);
 2. the commit (the manifest) of the newest such index with files (at most ``timeout_s``:
    a commit that cannot happen, because a rank was lost, does not hang the caller);
 
@@ -28,9 +28,10 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 logger = logging.getLogger("raylastic")
 
@@ -59,12 +60,12 @@ class ReportProgress:
         self.retention = Retention()
 
     def after_report(self, sess: Any) -> None:
-        """Publish ``(report index, last index with files)`` for this rank (the session
-        knows whether a report's checkpoint carried files)."""
+        """Publish ``(report index, last index with files, its directory)`` for this rank (the
+        session knows whether a report's checkpoint carried files)."""
         store = _store()
         if store is not None:
-            spec = sess.spec
-            store.set(f"{_KEY}/{spec.epoch}/{spec.rank}/{sess.current_index()}", str(sess.last_files_index))
+            spec, files = sess.spec, sess.last_files_index
+            store.set(f"{_KEY}/{spec.epoch}/{spec.rank}/{sess.current_index()}", f"{files}|{_files_rel(sess, files)}")
 
     def reported(self, sess: Any, timeout_s: Optional[float] = None) -> List[Any]:
         """``get_all_reported_checkpoints()``: see the module docstring."""
@@ -72,7 +73,7 @@ class ReportProgress:
 
         from raylastic.checkpoint import scoring
         from raylastic.checkpoint.manager import MANIFEST, committed_checkpoints
-        from raylastic.session import StorageCheckpoint, checkpoint_rel
+        from raylastic.session import StorageCheckpoint
 
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
@@ -80,26 +81,52 @@ class ReportProgress:
         if index > sess.restore.index:  # reported this epoch: wait for the others, then the commit
             if sess.uploader is not None:
                 sess.uploader.wait(max(0.0, deadline - time.monotonic()))
-            newest = max(sess.last_files_index, self._others_files_index(spec, index, deadline))
+            own = (sess.last_files_index, _files_rel(sess, sess.last_files_index))
+            newest, rel = max(own, self._others_files(spec, index, deadline))
             if newest >= 0:
-                _wait_exists(sess, f"{checkpoint_rel(sess.run_rel, newest, spec.epoch)}/{MANIFEST}", deadline)
+                _wait_exists(sess, f"{rel}/{MANIFEST}", deadline)
         committed = [c for c in committed_checkpoints(sess.storage, sess.run_rel) if c.index <= index]
         r = self.retention
         return [ReportedCheckpoint(checkpoint=StorageCheckpoint(sess.storage, c.rel), metrics=dict(c.metrics),
                                    status=ReportedCheckpointStatus.COMMITTED)
                 for c in scoring.kept(committed, r.num_to_keep, r.score_attribute, r.score_order)]
 
-    def _others_files_index(self, spec: Any, index: int, deadline: float) -> int:
+    def _others_files(self, spec: Any, index: int, deadline: float, quiet: bool = False) -> Tuple[int, str]:
+        """The newest index with files among the other ranks' reports up to ``index``, and
+        its directory; (-1, "") when none (or they did not get there in time)."""
         store = _store()
         if store is None or spec.world_size == 1:
-            return -1
+            return -1, ""
         keys = [f"{_KEY}/{spec.epoch}/{r}/{index}" for r in range(spec.world_size) if r != spec.rank]
         try:
             store.wait(keys, datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except Exception as e:  # a rank that never gets there (lost, finished early): list what is there
-            logger.warning("get_all_reported_checkpoints: not every rank reached report %d in time (%s)", index, e)
-            return -1
-        return max(int(store.get(k)) for k in keys)
+            (logger.debug if quiet else logger.warning)(
+                "get_all_reported_checkpoints: not every rank reached report %d in time (%s)", index, e)
+            return -1, ""
+        published = [store.get(k).decode().partition("|") for k in keys]
+        return max((int(files), rel) for files, _, rel in published)
+
+
+def settle_before_error(sess: Any, timeout_s: float) -> None:
+    """This rank's train function raised: before the error leaves it, wait (at most
+    ``timeout_s``) for the other ranks to reach its report count and for the newest
+    checkpoint with files up to it to commit. In Ray Train every ``report()`` is a
+    collective that returns once the checkpoint is registered, so a rank that raises right
+    after a report never loses its peers' checkpoint of that report; here reports are not
+    collectives, and without this wait the controller handles the error before a slower
+    rank's checkpoint has committed. A peer that never gets there (lost, stuck) costs at
+    most ``timeout_s``."""
+    spec, index = sess.spec, sess.current_index()
+    if index <= sess.restore.index or sess.aborted:
+        return
+    from raylastic.checkpoint.manager import MANIFEST
+
+    deadline = time.monotonic() + timeout_s
+    own = (sess.last_files_index, _files_rel(sess, sess.last_files_index))
+    newest, rel = max(own, ReportProgress()._others_files(spec, index, deadline, quiet=True))
+    if newest >= 0:
+        _wait_exists(sess, f"{rel}/{MANIFEST}", deadline, quiet=True)
 
 
 def _store() -> Any:
@@ -113,12 +140,85 @@ def _store() -> Any:
         return None
 
 
-def _wait_exists(sess: Any, rel: str, deadline: float) -> None:
+def _wait_exists(sess: Any, rel: str, deadline: float, quiet: bool = False) -> None:
     while not sess.storage.exists(rel):
         if time.monotonic() >= deadline or sess.aborted:
-            logger.warning("get_all_reported_checkpoints: %s not committed in time; listing what is", rel)
+            (logger.debug if quiet else logger.warning)(
+                "get_all_reported_checkpoints: %s not committed in time; listing what is", rel)
             return
         time.sleep(0.05)
+
+
+# -- ``ray.train.report(checkpoint_dir_name=...)``: Ray Train's checkpoint directory names --
+
+_named = threading.local()
+_named_rels: Dict[Tuple[str, int, int], str] = {}  # (run, epoch, index) -> the named directory uploaded to
+
+
+def _files_rel(sess: Any, index: int) -> str:
+    """The directory this rank's checkpoint files of report ``index`` went to ("" for -1)."""
+    if index < 0:
+        return ""
+    from raylastic.session import checkpoint_rel
+
+    rel = _named_rels.get((sess.run_rel, sess.spec.epoch, index))
+    return rel or getattr(checkpoint_rel, "__wrapped__", checkpoint_rel)(sess.run_rel, index, sess.spec.epoch)
+
+
+def _named_checkpoint_rel(original: Callable[[str, int, int], str]) -> Callable[[str, int, int], str]:
+    def checkpoint_rel(run_rel: str, index: int, epoch: int) -> str:
+        name = getattr(_named, "name", None)
+        if not name:
+            return original(run_rel, index, epoch)
+        while len(_named_rels) >= 1024:  # the oldest go: only recent reports are waited on
+            del _named_rels[next(iter(_named_rels))]
+        _named_rels[(run_rel, epoch, index)] = rel = f"{run_rel}/{name}"
+        return rel
+
+    checkpoint_rel.__wrapped__ = original  # type: ignore[attr-defined]
+    return checkpoint_rel
+
+
+def honour_dir_names() -> None:
+    """In this worker process, make ``ray.train.report(..., checkpoint_dir_name=name)`` upload
+    the checkpoint into ``<run>/<name>/`` (Ray Train's layout) instead of
+    ``<run>/checkpoints/checkpoint_<index>-e<epoch>/``. Ranks that report the same name write
+    into the same directory, which commits (its manifest) once every rank reported, as any
+    checkpoint here. A name that is not one plain path segment, or is one raylastic uses in
+    the run directory (``checkpoints``, hidden names), is ignored with a warning. Called by
+    ``raylastic.TorchTrainer``'s train-function wrapper after the session is installed."""
+    from ray.train.v2._internal.execution.train_fn_utils import get_train_fn_utils
+
+    from raylastic import session as _session
+    from raylastic.checkpoint.manager import named_dir_problem
+
+    _named_rels.clear()  # a new attempt (session): the directories of earlier ones are not waited on
+    if not hasattr(_session.checkpoint_rel, "__wrapped__"):
+        _session.checkpoint_rel = _named_checkpoint_rel(_session.checkpoint_rel)  # type: ignore[assignment]
+    try:
+        utils = get_train_fn_utils()
+    except RuntimeError:  # no Ray Train API routed in this process (ray_train_compat.install)
+        return
+    report = utils.report
+    if getattr(report, "_names_dirs", False):
+        return
+
+    def named_report(metrics: Any, checkpoint: Any = None, checkpoint_dir_name: Optional[str] = None,
+                     *args: Any, **kwargs: Any) -> None:
+        name = checkpoint_dir_name if checkpoint is not None else None
+        problem = named_dir_problem(name) if name is not None else None
+        if problem is not None:
+            logger.warning("report(checkpoint_dir_name=%r) ignored: %s; the checkpoint goes to "
+                           "checkpoints/checkpoint_<index>-e<epoch>/", name, problem)
+            name = None
+        _named.name = name
+        try:
+            report(metrics, checkpoint, checkpoint_dir_name, *args, **kwargs)
+        finally:
+            _named.name = None
+
+    named_report._names_dirs = True  # type: ignore[attr-defined]
+    utils.report = named_report  # type: ignore[method-assign]
 
 
 def write_ray_snapshot(storage: Any, run_rel: str, cc: Any) -> None:

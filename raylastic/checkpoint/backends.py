@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pyarrow.fs as pafs
@@ -31,9 +32,10 @@ _ALLOWED_QUERY = {
     "gs": {"endpoint_override", "scheme", "anonymous", "project_id"},
     "az": set(),
     "file": set(),
+    "pyfs": set(),
 }
 _SCHEMES = {"": "file", "file": "file", "s3": "s3", "gs": "gs", "gcs": "gs",
-            "abfs": "az", "abfss": "az", "az": "az"}
+            "abfs": "az", "abfss": "az", "az": "az", "pyfs": "pyfs"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,13 @@ def parse_uri(uri: str) -> ParsedUri:
     if kind == "file":
         path = os.path.abspath(os.path.expanduser((parts.netloc or "") + parts.path))
         return ParsedUri("file", "", path, None, {}, path)
+    if kind == "pyfs":  # pyfs://<key>/<path on that filesystem>: see filesystem_uri
+        path = parts.path[1:] if parts.path.startswith("/") else parts.path
+        if not parts.netloc or not path.strip("/") or any(
+                p in ("..", ".") for p in path.strip("/").split("/")):
+            raise ValueError(f"storage uri {uri!r}: expected pyfs://<filesystem key>/<path>, "
+                             "with no '.' or '..' segments")
+        return ParsedUri("pyfs", parts.netloc, path.rstrip("/"), None, {}, f"pyfs://{parts.netloc}/{path.rstrip('/')}")
     account = None
     bucket = parts.netloc
     if kind == "az" and "@" in bucket:
@@ -308,7 +317,42 @@ def _local_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
     return _Backend(pafs.LocalFileSystem(), p.prefix, f"local directory {p.prefix!r}")
 
 
-_BACKENDS = {"file": _local_backend, "s3": _s3_backend, "gs": _gcs_backend, "az": _azure_backend}
+# -- a pyarrow filesystem object given by the user (Ray Train's RunConfig.storage_filesystem) --
+
+_FILESYSTEMS: dict[str, pafs.FileSystem] = {}
+
+
+def filesystem_uri(fs: pafs.FileSystem, path: str) -> str:
+    """The storage URI of ``path`` on filesystem object ``fs`` (``pyfs://<key>/<path>``).
+
+    ``fs`` is registered in this process under a random key; a ``Storage`` of that URI
+    pickles the filesystem object with it (as Ray Train pickles ``storage_filesystem`` to its
+    workers), and unpickling registers it again in the receiving process, so the controller
+    and the workers open the same filesystem. A filesystem registered twice keeps its key."""
+    key = next((k for k, known in _FILESYSTEMS.items() if known is fs), None)
+    if key is None:
+        key = "fs" + uuid.uuid4().hex[:16]
+        _FILESYSTEMS[key] = fs
+    return f"pyfs://{key}/{path}"
+
+
+def register_filesystem(key: str, fs: pafs.FileSystem) -> None:
+    _FILESYSTEMS.setdefault(key, fs)
+
+
+def _pyfs_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
+    fs = _FILESYSTEMS.get(p.bucket)
+    if fs is None:
+        raise ValueError(f"filesystem {p.bucket!r} is not known in this process (a pyfs:// URI is "
+                         "valid only where its Storage was created or unpickled)")
+    handler: Any = getattr(fs, "handler", None)
+    if isinstance(fs, pafs.PyFileSystem) and type(handler) is pafs.FSSpecHandler:
+        fs = pafs.PyFileSystem(LiteralFSSpecHandler(handler.fs))  # deletes by exact name (names.py)
+    return _Backend(fs, p.prefix, f"{fs.type_name} filesystem at {p.prefix!r}")
+
+
+_BACKENDS = {"file": _local_backend, "s3": _s3_backend, "gs": _gcs_backend, "az": _azure_backend,
+             "pyfs": _pyfs_backend}
 
 
 def _join(*parts: str) -> str:

@@ -51,17 +51,40 @@ class CommittedCheckpoint:
         return sum(int(f[1]) for f in self.files)
 
 
+def named_dir_problem(name: Any) -> Optional[str]:
+    """Why ``name`` cannot be a checkpoint directory directly under the run directory
+    (``ray.train.report(checkpoint_dir_name=name)``, Ray Train's layout), or None: it must be
+    one plain path segment, not hidden, and not a name raylastic uses there itself."""
+    if not isinstance(name, str) or not name:
+        return "it is not a non-empty string"
+    if "/" in name or "\\" in name or name in (".", "..") or any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        return "it is not a single plain path segment"
+    if name.startswith(".") or name in RESERVED_RUN_NAMES:
+        return f"{name!r} is reserved in the run directory"
+    return None
+
+
+RESERVED_RUN_NAMES = frozenset({"checkpoints", "snapshots", "events", "metrics"})
+
+
 def committed_checkpoints(storage, run_rel: str) -> List[CommittedCheckpoint]:
     """A run's committed checkpoints in storage, oldest first; corrupt ones skipped. Raises
-    StorageError when the store stays unreachable past the retry policy. Read-only."""
+    StorageError when the store stays unreachable past the retry policy. Read-only.
+
+    Listed: ``<run>/checkpoints/checkpoint_<index>-e<epoch>/`` and, for reports that named
+    their directory (Ray Train's ``checkpoint_dir_name``), ``<run>/<name>/``; either only with
+    a manifest."""
     directory = f"{run_rel}/checkpoints"
     found = []
-    for name in storage.list_dir(directory):
-        if CHECKPOINT_DIR.match(name):
-            ckpt = _read_manifest(storage, f"{directory}/{name}")
-            if ckpt is not None:
-                found.append(ckpt)
-    found.sort(key=lambda c: (c.index, c.epoch))
+    rels = [f"{directory}/{name}" for name in storage.list_dir(directory) if CHECKPOINT_DIR.match(name)]
+    list_dirs = getattr(storage, "list_dirs", None)  # (a Storage; a stand-in with list_dir only lists checkpoints/)
+    if list_dirs is not None:
+        rels += [f"{run_rel}/{name}" for name in list_dirs(run_rel) if named_dir_problem(name) is None]
+    for rel in rels:
+        ckpt = _read_manifest(storage, rel)
+        if ckpt is not None:
+            found.append(ckpt)
+    found.sort(key=lambda c: (c.index, c.epoch, c.ts))
     return found
 
 
@@ -238,8 +261,11 @@ class CheckpointManager:
         assert rel is not None  # with_ckpt holds only records with a checkpoint_rel
         if not self._owns(rel):  # never write (or later delete) outside this run's checkpoints
             logger.error("not committing checkpoint %d: %r is not a checkpoint directory of this run "
-                         "(%s/checkpoint_<index>-e<epoch>)", index, rel, self._dir)
+                         "(%s/checkpoint_<index>-e<epoch> or a named directory)", index, rel, self._dir)
             return None
+        replaced = [c for c in self._committed if c.rel == rel]  # a name reported again (Ray's layout)
+        for c in replaced:
+            self._committed.remove(c)
         files = sorted({tuple(f) for r in with_ckpt for f in r.files})
         rank0 = by_rank.get(0) or with_ckpt[0]
         ckpt = CommittedCheckpoint(
@@ -294,9 +320,13 @@ class CheckpointManager:
             self._events.emit(EventKind.CHECKPOINT_DELETED, index=old.index, path=old.rel, reason=reason)
 
     def _owns(self, rel: str) -> bool:
-        """Whether ``rel`` is exactly ``<run>/checkpoints/<checkpoint dir>``: retention and
-        cleanup delete nothing else (names are compared whole, never as patterns)."""
+        """Whether ``rel`` is exactly ``<run>/checkpoints/<checkpoint dir>``, or ``<run>/<name>``
+        for a report that named its directory: retention and cleanup delete nothing else
+        (names are compared whole, never as patterns). Only committed named directories are
+        ever deleted (by retention); ``delete_uncommitted`` looks in ``checkpoints/`` only."""
         head, sep, name = rel.rpartition("/")
+        if sep and head == self._run_rel:
+            return named_dir_problem(name) is None
         return bool(sep) and head == self._dir and CHECKPOINT_DIR.fullmatch(name) is not None
 
     def delete_uncommitted(self) -> None:

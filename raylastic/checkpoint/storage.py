@@ -107,11 +107,15 @@ class Storage:
         self.root: str = backend.root
         self.target: str = backend.target
         self._backend = backend
-        self._root_checked = self.is_local
+        self._root_checked = self.is_local or self.kind == "pyfs"  # a given filesystem: paths are created
 
     # -- plumbing ------------------------------------------------------------------------
 
     def __reduce__(self):
+        if self.kind == "pyfs":  # the filesystem object travels with it (backends.filesystem_uri)
+            from raylastic.checkpoint.backends import _FILESYSTEMS
+
+            return (_rebuild, (self.uri, self.retry, self.create_container, self.bucket, _FILESYSTEMS[self.bucket]))
         return (_rebuild, (self.uri, self.retry, self.create_container))
 
     def __repr__(self) -> str:
@@ -122,8 +126,10 @@ class Storage:
         rel = _join(*parts)
         if any(seg in ("..", ".") for seg in rel.split("/")):
             raise ValueError(f"storage path {rel!r} must not contain '.' or '..' segments")
-        return _join(self.root, rel) if not self.is_local else (
-            os.path.join(self.root, *rel.split("/")) if rel else self.root)
+        if self.is_local:
+            return os.path.join(self.root, *rel.split("/")) if rel else self.root
+        joined = _join(self.root, rel)
+        return "/" + joined if self.root.startswith("/") else joined  # (an absolute path on a given filesystem)
 
     def _call(self, op: str, rel: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` under the retry policy, translating errors into the two kinds."""
@@ -165,6 +171,7 @@ class Storage:
             return
 
         def put() -> None:
+            self._make_parent(path)
             with self.fs.open_output_stream(path) as out:
                 out.write(data)
 
@@ -236,6 +243,22 @@ class Storage:
 
         return self._call("list", rel, ls)
 
+    def list_dirs(self, rel: str = "") -> list[str]:
+        """Child directory names of ``rel`` (as ``list_dir``, files left out)."""
+        path = self.path(rel)
+        selector = pafs.FileSelector(path, allow_not_found=True, recursive=self._backend.implicit_dirs)
+        parent = path.rstrip("/") + "/"
+
+        def ls() -> list[str]:
+            try:
+                heads = [(i.path.rstrip("/")[len(parent):].partition("/"), i.type)
+                         for i in self.fs.get_file_info(selector) if i.path.startswith(parent)]
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+            return sorted({h for (h, sep, _), t in heads if h and (sep or t == pafs.FileType.Directory)})
+
+        return self._call("list", rel, ls)
+
     def upload_dir(self, local_dir: str, rel: str) -> list[tuple[str, int]]:
         """Copy a local tree under ``rel``; returns (relative posix path, size) per file.
 
@@ -251,7 +274,7 @@ class Storage:
                 self._call("upload", f"{rel}/{name}", lambda: _atomic_local_copy(src, dst))
             else:
                 self._call("upload", f"{rel}/{name}", lambda: _copy_stream(
-                    pafs.LocalFileSystem().open_input_stream, src, self.fs, dst))
+                    pafs.LocalFileSystem().open_input_stream, src, self.fs, dst, self._make_parent))
 
         self._map(one, files)
         return files
@@ -352,6 +375,11 @@ class Storage:
 
         self._call("delete", rel, rm)
 
+    def _make_parent(self, path: str) -> None:
+        """A given filesystem (``pyfs://``) may need directories (fsspec's local one does)."""
+        if self.kind == "pyfs" and "/" in path.strip("/"):
+            self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+
     def _map(self, fn: Callable[[T], None], items: list) -> None:
         """Local copies are disk-bound: run them inline. Remote copies overlap their latency."""
         if self.is_local or len(items) <= 1:
@@ -363,7 +391,12 @@ class Storage:
                 future.result()
 
 
-def _rebuild(uri: str, retry: RetryPolicy, create_container: bool) -> Storage:
+def _rebuild(uri: str, retry: RetryPolicy, create_container: bool, key: str = "",
+             fs: pafs.FileSystem | None = None) -> Storage:
+    if fs is not None:
+        from raylastic.checkpoint.backends import register_filesystem
+
+        register_filesystem(key, fs)
     return Storage(uri, retry=retry, create_container=create_container)
 
 
@@ -406,7 +439,9 @@ def _atomic_local_copy(src: str, dst: str) -> None:
         raise
 
 
-def _copy_stream(open_src: Callable, src: str, dst_fs: pafs.FileSystem, dst: str) -> None:
+def _copy_stream(open_src: Callable, src: str, dst_fs: pafs.FileSystem, dst: str,
+                 make_parent: Callable[[str], None] = lambda _: None) -> None:
+    make_parent(dst)
     with open_src(src) as fin, dst_fs.open_output_stream(dst) as fout:
         while True:
             chunk = fin.read(_CHUNK)

@@ -25,7 +25,7 @@ import copy
 import json
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from raylastic.data.ray_data_iterator import _BLOCKS_PER_CALL, DataPosition, ElasticDataIterator
@@ -201,6 +201,7 @@ class DataPlan:
 
     split: Dict[str, Any]  # name -> SplitCoordinator handle
     whole: Dict[str, Any]  # name -> ray.data.Dataset
+    options: Dict[str, Any] = field(default_factory=dict)  # split name -> its ExecutionOptions (ingest_options)
 
 
 class DataShards:
@@ -280,7 +281,7 @@ class DataShards:
         if name in self._iters:
             return self._iters[name]
         if name in self._plan.split:
-            it = ElasticDataIterator(name, self._plan.split[name], self)
+            it = ElasticDataIterator(name, self._plan.split[name], self, self._plan.options.get(name))
         elif name in self._plan.whole:
             it = self._plan.whole[name].iterator()
         else:
@@ -369,13 +370,14 @@ def start_coordinators(datasets: Dict[str, Any], split: Sequence[str], resources
 
     actor = ray.remote(SplitCoordinator).options(num_cpus=0, max_concurrency=8, max_restarts=0,
                                                  resources=resources)
-    coords = {name: actor.remote(datasets[name], name, ingest_options(dataset_config, name)) for name in split}
+    options = {name: ingest_options(dataset_config, name) for name in split}
+    coords = {name: actor.remote(datasets[name], name, options[name]) for name in split}
     whole = {}
     for name in (n for n in datasets if n not in coords):
         ds = Dataset.copy(datasets[name], _deep_copy=True)  # its own context: the user's keeps its options
         ds.context.execution_options = ingest_options(dataset_config, name)
         whole[name] = ds
-    return DataPlan(split=coords, whole=whole)
+    return DataPlan(split=coords, whole=whole, options=options)
 
 
 def stop_coordinators(plan: Optional[DataPlan]) -> None:

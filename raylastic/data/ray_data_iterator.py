@@ -193,12 +193,14 @@ class ElasticDataIterator(_data_iterator_base()):  # type: ignore[misc]  # Ray's
     differ from the rows counted), ``to_tf`` / ``iter_tf_batches`` / ``iter_jax_batches``
     / ``materialize`` (no block stream to hand over)."""
 
-    def __init__(self, name: str, coord, shards: Any):  # a ray_data.DataShards (which imports this module)
+    def __init__(self, name: str, coord, shards: Any,  # a ray_data.DataShards (which imports this module)
+                 options: Any = None):
         self._name = name
         self._coord = coord
         self._shards = shards
         self._pass: Optional[_Pass] = None
         self._ctx = None
+        self._options = options  # the ExecutionOptions the dataset executes with (ingest_options)
 
     # -- DataIterator's abstract methods ------------------------------------------------
     def _to_ref_bundle_iterator(self):
@@ -218,10 +220,17 @@ class ElasticDataIterator(_data_iterator_base()):  # type: ignore[misc]  # Ray's
         return ray.get(self._coord.schema.remote())
 
     def get_context(self):
+        """The rank's current ``DataContext`` with the dataset's execution options, as Ray
+        Train's shard reports the options ``DataConfig`` resolved for that dataset."""
+        import copy
+
         from ray.data import DataContext
 
         if self._ctx is None:
             self._ctx = DataContext.get_current()
+            if self._options is not None:
+                self._ctx = copy.deepcopy(self._ctx)
+                self._ctx.execution_options = copy.deepcopy(self._options)
         return self._ctx
 
     def close(self) -> None:

@@ -8,7 +8,6 @@ import contextlib
 import os
 import socket
 
-import pyarrow.fs as pafs
 import pytest
 import ray
 import ray.train
@@ -152,8 +151,8 @@ def test_torchrun_environment_forms_a_process_group(monkeypatch):
 
 @pytest.mark.parametrize("kw, needles", [
     ({"train_loop_config": [1]}, ["train_loop_config must be a dict", "list"]),
-    ({"run_config": ray.train.RunConfig(storage_filesystem=pafs.LocalFileSystem())},
-     ["RunConfig.storage_filesystem", "Fix:"]),
+    ({"run_config": ray.train.RunConfig(worker_runtime_env={"env_vars": {"A": "1"}})},
+     ["RunConfig.worker_runtime_env", "Fix:"]),
     ({"torch_config": "gloo"}, ["torch_config must be a ray.train.backend.BackendConfig"]),
 ])
 def test_configs_are_still_checked(kw, needles):

@@ -10,7 +10,6 @@ are set after construction, as user code or a config loader may do.
 import os
 import threading
 
-import pyarrow.fs as pafs
 import pytest
 import ray
 import ray.train
@@ -195,8 +194,6 @@ def _ckpt_config(**kw):
 
 
 @pytest.mark.parametrize("make, needles", [
-    (lambda p: ray.train.RunConfig(storage_path="bucket/x", storage_filesystem=pafs.LocalFileSystem()),
-     ["RunConfig.storage_filesystem", "full URI as storage_path"]),
     (lambda p: ray.train.RunConfig(storage_path=str(p), worker_runtime_env={"env_vars": {"A": "1"}}),
      ["RunConfig.worker_runtime_env", "ray.init(runtime_env=...)"]),
     (lambda p: _run(p, verbose=1), ["RunConfig.verbose", "remove verbose"]),

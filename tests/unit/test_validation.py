@@ -150,7 +150,7 @@ TABLE: Dict[type, Dict[str, Row]] = {
     RayRunConfig: {
         "name": Row(bad=("a*b", "a/b", "a\nb"), good=("exp",)),
         "storage_path": Row(bad=("ftp://host/x", "s3:/bucket", "gs://bucket/run*", 3), good=("/tmp/ray_runs",)),
-        "storage_filesystem": Row(bad=(_SETTABLE,), good=(None,)),
+        "storage_filesystem": Row(bad=("s3://bucket",), good=(None, _SETTABLE)),
         "failure_config": Row(bad=(FailureConfig(), {"max_failures": 1}), good=(None, RayFailureConfig())),
         "checkpoint_config": Row(bad=(CheckpointConfig(), "keep"), good=(None, RayCheckpointConfig())),
         "callbacks": Row(bad=([object()],), good=(None, [])),
