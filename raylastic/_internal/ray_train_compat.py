@@ -10,7 +10,7 @@ ranks' reports and the commits they imply (``ray_train_checkpoints``).
 
 Per attempt, :func:`install` also resets process-wide state that libraries cache about the
 process group (Accelerate's singletons: :func:`reset_library_state`) and routes Ray's
-``ray.train.huggingface.transformers.prepare_trainer`` to raylastic's elastic one.
+``prepare_trainer`` of its Hugging Face and Lightning integrations to raylastic's elastic ones.
 """
 
 from __future__ import annotations
@@ -130,48 +130,54 @@ def reset_library_state() -> None:
     state.GradientState._reset_state()
 
 
-_RAY_HF_MODULE = "ray.train.huggingface.transformers._transformers_utils"
+# Ray's integration module -> (its package, raylastic's elastic integration module).
+_ROUTES = {
+    "ray.train.huggingface.transformers._transformers_utils":
+        ("ray.train.huggingface.transformers", "raylastic.integrations.transformers"),
+    "ray.train.lightning._lightning_utils": ("ray.train.lightning", "raylastic.integrations.lightning"),
+}
 
 
-def _routed_prepare_trainer(ray_prepare):
+def _routed_prepare_trainer(ray_prepare, ray_module: str):
     """Ray's ``prepare_trainer`` followed by raylastic's, while a raylastic session runs."""
     def prepare_trainer(trainer):
         trainer = ray_prepare(trainer)  # Ray Data iterables as train/eval datasets keep working
         if _session._session is None:  # not in a raylastic train function: Ray's behaviour
             return trainer
-        from raylastic.integrations import transformers as elastic_hf
+        # a script ours cannot resize in place (Ray Data iterables, sharded strategies)
+        # keeps working as it did: warned, restarted from checkpoints on a resize
+        elastic = importlib.import_module(_ROUTES[ray_module][1])
+        return elastic.prepare_trainer(trainer, fallback_to_restart=True)
 
-        return elastic_hf.prepare_trainer(trainer)
-
-    prepare_trainer.__wrapped__ = ray_prepare
+    prepare_trainer.__wrapped__ = ray_prepare  # type: ignore[attr-defined]
     prepare_trainer.__doc__ = ray_prepare.__doc__
     # Named as Ray's: cloudpickle then pickles a reference to it, which another process
     # resolves to its own (routed or not) function, never a copy of this closure.
-    prepare_trainer.__module__, prepare_trainer.__qualname__ = _RAY_HF_MODULE, "prepare_trainer"
+    prepare_trainer.__module__, prepare_trainer.__qualname__ = ray_module, "prepare_trainer"
     return prepare_trainer
 
 
-def _route_ray_hf(module: Any) -> None:
-    """Point Ray's HF ``prepare_trainer`` (the module attribute and the package's) at ours."""
+def _route_ray(module: Any) -> None:
+    """Point Ray's ``prepare_trainer`` (the module attribute and the package's) at ours."""
     current = module.prepare_trainer
     if hasattr(current, "__wrapped__"):
         return
-    routed = _routed_prepare_trainer(current)
+    routed = _routed_prepare_trainer(current, module.__name__)
     module.prepare_trainer = routed
-    package: Any = sys.modules.get("ray.train.huggingface.transformers")
+    package: Any = sys.modules.get(_ROUTES[module.__name__][0])
     if package is not None and getattr(package, "prepare_trainer", None) is current:
         package.prepare_trainer = routed
 
 
 class _RouteOnImport(importlib.abc.MetaPathFinder):
-    """Routes Ray's HF ``prepare_trainer`` as soon as its module is imported in this worker.
+    """Routes Ray's HF / Lightning ``prepare_trainer`` as soon as its module is imported.
 
-    Why at import: a train function that did ``from ray.train.huggingface.transformers import
+    Why at import: a train function that did ``from ray.train.lightning import
     prepare_trainer`` at module level is unpickled (binding that name) before any attempt
     starts; patching only in :func:`install` would reach the module attribute too late."""
 
     def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Any = None):
-        if fullname != _RAY_HF_MODULE:
+        if fullname not in _ROUTES:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -181,7 +187,7 @@ class _RouteOnImport(importlib.abc.MetaPathFinder):
 
         def exec_and_route(module: Any) -> None:
             exec_module(module)
-            _route_ray_hf(module)
+            _route_ray(module)
 
         loader.exec_module = exec_and_route  # type: ignore[method-assign]
         return spec
@@ -206,9 +212,10 @@ def install(sess: "_session.Session") -> None:
 
     reset_library_state()
     route_on_import()
-    module = sys.modules.get(_RAY_HF_MODULE)
-    if module is not None:
-        _route_ray_hf(module)
+    for name in _ROUTES:
+        module = sys.modules.get(name)
+        if module is not None:
+            _route_ray(module)
     set_train_fn_utils(RayTrainAdapter(sess))
 
 

@@ -44,6 +44,7 @@ process (DataParallel), length-grouped sampling, and datasets without ``__len__`
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterator
@@ -56,6 +57,8 @@ from transformers import Trainer, TrainerCallback
 from raylastic import session as _session
 from raylastic.data import ElasticDataLoader
 from raylastic.state import STATE_FILE, STORE, ElasticState
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["prepare_trainer", "elastic_state", "gradient_accumulation_steps", "planned_max_steps"]
 
@@ -232,30 +235,9 @@ class _ElasticCallback(TrainerCallback):
         return loss
 
 
-def prepare_trainer(trainer: Trainer, global_batch_size: int | None = None) -> Trainer:
-    """Make ``trainer`` elastic under raylastic; call it last, right before ``trainer.train()``.
-
-    Args:
-        trainer: a ``transformers.Trainer`` built in the train function as usual. Its
-            ``train_dataset`` must be map-style; its ``TrainingArguments`` are adjusted in place
-            (``gradient_accumulation_steps``, ``max_steps``).
-        global_batch_size: samples per optimizer step over all workers, kept at every world
-            size. Default: ``per_device_train_batch_size * gradient_accumulation_steps *
-            world_size`` at the run's first start; a restored attempt keeps the global batch
-            of the state it restores. Give it explicitly when the first start may be smaller
-            than ``max_workers``, and make it divisible by ``per_device_train_batch_size``
-            times every world size between ``min_workers`` and ``max_workers``.
-
-    Call it after every other callback is added: the commit (where a resize unwinds the
-    train function) must be the last ``on_step_end`` so the others see each step; the
-    restore is the first ``on_train_begin``.
-    ``RayTrainReportCallback`` is removed: each ``ElasticState.commit`` already reports the
-    step's metrics (the merged log history it would report included), and a second report
-    per save with the HF checkpoint directory would become the run's latest checkpoint,
-    which ``ElasticState`` cannot restore from (its storage fallback would start afresh).
-    """
-    if not isinstance(trainer, Trainer):
-        raise ValueError(f"trainer ({type(trainer).__name__}) must be a transformers.Trainer")
+def _plan(trainer: Trainer, global_batch_size: int | None) -> tuple[Any, int, int, int, int]:
+    """(args, global batch, gradient accumulation, steps per epoch, max steps) for this
+    world size; ValueError where the trainer cannot be resized in place. Changes nothing."""
     _check_args(trainer)
     sess = _session._get_session()
     args = trainer.args
@@ -278,6 +260,52 @@ def prepare_trainer(trainer: Trainer, global_batch_size: int | None = None) -> T
     dataset: Any = trainer.train_dataset  # map-style (checked above)
     steps_per_epoch, max_steps = planned_max_steps(len(dataset), global_batch_size,
                                                    args.num_train_epochs, args.max_steps)
+    return args, global_batch_size, ga, steps_per_epoch, max_steps
+
+
+def prepare_trainer(trainer: Trainer, global_batch_size: int | None = None, *,
+                    fallback_to_restart: bool = False) -> Trainer:
+    """Make ``trainer`` elastic under raylastic; call it last, right before ``trainer.train()``.
+
+    Args:
+        trainer: a ``transformers.Trainer`` built in the train function as usual. Its
+            ``train_dataset`` must be map-style; its ``TrainingArguments`` are adjusted in place
+            (``gradient_accumulation_steps``, ``max_steps``).
+        global_batch_size: samples per optimizer step over all workers, kept at every world
+            size. Default: ``per_device_train_batch_size * gradient_accumulation_steps *
+            world_size`` at the run's first start; a restored attempt keeps the global batch
+            of the state it restores. Give it explicitly when the first start may be smaller
+            than ``max_workers``, and make it divisible by ``per_device_train_batch_size``
+            times every world size between ``min_workers`` and ``max_workers``.
+        fallback_to_restart: where the trainer cannot be resized in place (the refusals in
+            the module docstring, an iterable ``train_dataset`` such as Ray Data's, a global
+            batch that does not divide), log a warning and leave the trainer as it is (a
+            resize restarts it from its last reported checkpoint, as under Ray Train)
+            instead of raising. Ray's ``prepare_trainer``, routed here under raylastic, sets
+            it, so Ray Train scripts that worked before keep working.
+
+    Call it after every other callback is added: the commit (where a resize unwinds the
+    train function) must be the last ``on_step_end`` so the others see each step; the
+    restore is the first ``on_train_begin``.
+    ``RayTrainReportCallback`` is removed: each ``ElasticState.commit`` already reports the
+    step's metrics (the merged log history it would report included), and a second report
+    per save with the HF checkpoint directory would become the run's latest checkpoint,
+    which ``ElasticState`` cannot restore from (its storage fallback would start afresh).
+    """
+    if not isinstance(trainer, Trainer):
+        raise ValueError(f"trainer ({type(trainer).__name__}) must be a transformers.Trainer")
+    try:
+        plan = _plan(trainer, global_batch_size)
+    except ValueError as e:
+        # never once the run is elastic: this attempt restores from the peers' memory
+        if not fallback_to_restart or _restoring_from_memory():
+            raise
+        _log.warning("raylastic: this Trainer is not resized in place (%s); a resize restarts it from its "
+                     "last reported checkpoint, as under Ray Train", e)
+        return trainer
+    args, global_batch_size, ga, steps_per_epoch, max_steps = plan
+    per_device = args.per_device_train_batch_size
+    dataset: Any = trainer.train_dataset  # map-style (checked in _plan)
     args.gradient_accumulation_steps, args.max_steps = ga, max_steps
     collate = trainer._get_collator_with_removed_columns(trainer.data_collator, description="training")
     loader = ElasticDataLoader(
@@ -305,3 +333,9 @@ def elastic_state(trainer: Trainer) -> ElasticState | None:
         if isinstance(cb, _ElasticCallback):
             return cb.state
     return None
+
+
+def _restoring_from_memory() -> bool:
+    """This attempt restores the state from the peers' memory: the run has been elastic."""
+    sess = _session._session
+    return sess is not None and sess.restore.memory_index is not None

@@ -107,8 +107,8 @@ def test_max_steps_depend_on_the_global_batch_only():
 
 
 def test_refusals_name_the_field(tmp_path):
-    with pytest.raises(ValueError, match="train_dataset"):
-        prepare_trainer(Trainer(model=Net(), args=_args(tmp_path), train_dataset=Stream()))
+    with pytest.raises(ValueError, match="train_dataset .Stream. must be a map-style"):
+        prepare_trainer(Trainer(model=Net(), args=_args(tmp_path, max_steps=4), train_dataset=Stream()))
     with pytest.raises(ValueError, match="auto_find_batch_size"):
         prepare_trainer(Trainer(model=Net(), args=_args(tmp_path, auto_find_batch_size=True),
                                 train_dataset=Samples()))
@@ -227,3 +227,22 @@ def test_accelerate_state_is_reset_between_attempts():
     ray_train_compat.reset_library_state()
     assert not PartialState._shared_state and not AcceleratorState._shared_state
     assert not GradientState._shared_state
+
+
+def test_what_cannot_be_resized_in_place_falls_back_to_restarts_when_asked(tmp_path, caplog):
+    """Ray's routed ``prepare_trainer`` passes ``fallback_to_restart=True``: a Ray Train script
+    ours cannot resize in place (here an iterable dataset, as Ray Data's) keeps running as
+    under Ray Train, with a warning; called directly, the same trainer is refused."""
+    _session_for("fallback")
+    trainer = Trainer(model=Net(), args=_args(tmp_path, max_steps=4), train_dataset=Stream())
+    with pytest.raises(ValueError, match="map-style"):
+        prepare_trainer(trainer)
+    with caplog.at_level("WARNING", logger="raylastic.integrations.transformers"):
+        same = prepare_trainer(trainer, fallback_to_restart=True)
+    assert same is trainer and trainer.args.max_steps == 4 and trainer.args.gradient_accumulation_steps == 1
+    assert "not resized in place" in caplog.text and "map-style" in caplog.text
+
+    import ray.train.huggingface.transformers as ray_hf
+
+    routed = ray_hf.prepare_trainer(Trainer(model=Net(), args=_args(tmp_path, max_steps=4), train_dataset=Stream()))
+    assert routed.args.max_steps == 4 and routed.args.gradient_accumulation_steps == 1  # Ray's preparation only
