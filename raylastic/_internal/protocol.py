@@ -74,6 +74,9 @@ class GroupSpec:
     # Shards of the replicated training state this rank copies into its ElasticState
     # snapshots (``_internal/snapshots/placement.py``), out of ``world_size``; empty: all of it.
     stripe: Tuple[int, ...] = ()
+    # The run's ScalingConfig.max_workers (0: unknown): the world size a script's batch
+    # settings describe, for the integrations' default global batch.
+    max_workers: int = 0
 
 
 @dataclass(frozen=True)

@@ -262,7 +262,8 @@ class _ElasticRun:
         if first:
             self.state = self._elastic_state(trainer)
         world = trainer.world_size
-        gbs = self.global_batch_size or self.state.global_batch_size or micro * self.user_accumulate * world
+        full = _session._get_session().spec.max_workers or world  # the script's settings describe its full size
+        gbs = self.global_batch_size or self.state.global_batch_size or micro * self.user_accumulate * full
         self.state.global_batch_size = gbs
         accumulate = accumulation(gbs, world, micro)
         trainer.accumulate_grad_batches = accumulate
@@ -370,9 +371,9 @@ def prepare_trainer(trainer: "pl.Trainer", global_batch_size: Optional[int] = No
 
     Args:
         global_batch_size: samples per optimizer step over all workers, kept at every world
-            size. Default: ``batch_size * accumulate_grad_batches * world_size`` of the first
-            start (what the unchanged script trains with at that size), carried across resizes
-            in the snapshot. It must divide by ``batch_size * world_size`` at every size the
+            size. Default: ``batch_size * accumulate_grad_batches * max_workers`` (what the
+            unchanged script trains with at full size), carried across resizes in the
+            snapshot. It must divide by ``batch_size * world_size`` at every size the
             run takes: a ValueError names it otherwise.
         seed, shuffle: the epoch order (``randperm`` seeded with ``seed + epoch``, default
             seed 0); ``shuffle`` defaults to whether the train DataLoader shuffles.

@@ -252,7 +252,9 @@ def _plan(trainer: Trainer, global_batch_size: int | None) -> tuple[Any, int, in
     per_device = args.per_device_train_batch_size
     saved = _saved_global_batch(sess)
     if global_batch_size is None:
-        global_batch_size = saved if saved is not None else per_device * args.gradient_accumulation_steps * world
+        # the script's batch settings describe its full size: max_workers (else this world)
+        full = sess.spec.max_workers or world
+        global_batch_size = saved if saved is not None else per_device * args.gradient_accumulation_steps * full
     elif saved is not None and saved != global_batch_size:
         raise ValueError(f"global_batch_size ({global_batch_size}) != the restored state's ({saved}): "
                          f"pass global_batch_size={saved} or start a new run")
@@ -273,10 +275,10 @@ def prepare_trainer(trainer: Trainer, global_batch_size: int | None = None, *,
             (``gradient_accumulation_steps``, ``max_steps``).
         global_batch_size: samples per optimizer step over all workers, kept at every world
             size. Default: ``per_device_train_batch_size * gradient_accumulation_steps *
-            world_size`` at the run's first start; a restored attempt keeps the global batch
-            of the state it restores. Give it explicitly when the first start may be smaller
-            than ``max_workers``, and make it divisible by ``per_device_train_batch_size``
-            times every world size between ``min_workers`` and ``max_workers``.
+            max_workers`` (what the script's settings train with at full size), kept by a
+            restored attempt. It must divide by ``per_device_train_batch_size`` times every
+            world size between ``min_workers`` and ``max_workers``: give it explicitly
+            where the default does not.
         fallback_to_restart: where the trainer cannot be resized in place (the refusals in
             the module docstring, an iterable ``train_dataset`` such as Ray Data's, a global
             batch that does not divide), log a warning and leave the trainer as it is (a

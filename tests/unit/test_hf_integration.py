@@ -246,3 +246,16 @@ def test_what_cannot_be_resized_in_place_falls_back_to_restarts_when_asked(tmp_p
 
     routed = ray_hf.prepare_trainer(Trainer(model=Net(), args=_args(tmp_path, max_steps=4), train_dataset=Stream()))
     assert routed.args.max_steps == 4 and routed.args.gradient_accumulation_steps == 1  # Ray's preparation only
+
+
+def test_the_default_global_batch_is_the_scripts_full_size(tmp_path):
+    """A run that starts below max_workers keeps the batch the script describes at full
+    size (per-device batch x accumulation x max_workers), so it can grow later."""
+    spec = GroupSpec(epoch=1, rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
+                     master_addr="127.0.0.1", master_port=0, backend="gloo", max_workers=3)
+    sess = Session(spec=spec, storage=None, run_rel="full-size", run_name="full-size", restore=RestoreInfo())
+    _session._set_session(sess)
+    ray_train_compat.install(sess)
+    trainer = prepare_trainer(Trainer(model=Net(), args=_args(tmp_path), train_dataset=Samples()))
+    assert trainer.args.gradient_accumulation_steps == 3  # 4 * 1 * 3 = 12 samples per step at world 1
+    assert trainer.args.max_steps == 2 * (40 // 12)

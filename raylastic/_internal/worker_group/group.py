@@ -178,7 +178,7 @@ class WorkerGroup:
                 GroupSpec(epoch=epoch, rank=r, world_size=world, local_rank=local[m.wid][0],
                           local_world_size=local[m.wid][1], node_rank=node_ranks[m.node_id],
                           master_addr=addr["addr"], master_port=addr["port"], backend=backend,
-                          timeout_s=GROUP_TIMEOUT_S, stripe=stripes[r] if stripes else ())
+                          timeout_s=GROUP_TIMEOUT_S, stripe=stripes[r] if stripes else (), max_workers=self.pool.max_workers)
                 for r, m in enumerate(members)
             ]
             self._get_all([m.actor.setup_group.remote(s) for m, s in zip(members, specs)], GROUP_TIMEOUT_S + 10)

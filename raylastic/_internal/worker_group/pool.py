@@ -88,6 +88,7 @@ class WorkerPool:
         # Worker slots wanted per node type; the key None means "any node" (no capacity
         # policy). A capacity policy replaces it with e.g. {"spot": 3, "on_demand": 1}.
         self.targets: Dict[Optional[str], int] = {None: target}
+        self.max_workers = target  # the run's max_workers (targets change under a capacity policy)
 
     def set_targets(self, targets: Dict[Optional[str], int],
                     protect: List[WorkerHandle]) -> List[WorkerHandle]:
