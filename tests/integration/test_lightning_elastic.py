@@ -157,7 +157,7 @@ def test_lightning_trainer_resizes_in_place_exactly_once_and_same_weights(local_
     assert ref.world_sizes == [2]
     assert ref.return_value == {"global_step": EPOCHS * SPE, "current_epoch": EPOCHS}
 
-    # Elastic: starts at 3 workers, default global batch = 2 * 2 * 3 = 12, kept at 2 workers.
+    # Elastic: 2-3 workers, global batch 12 (given: prepare_trainer(trainer, G)), kept at 2 workers.
     # Through Ray Train's Lightning API (RayDDPStrategy, RayLightningEnvironment, Ray's
     # prepare_trainer, RayTrainReportCallback's per-epoch checkpoints) under raylastic.TorchTrainer.
     cfg = _cfg(tmp_path, "elastic", ga=2, step_sleep_s=0.25, via_ray=True)
@@ -166,15 +166,20 @@ def test_lightning_trainer_resizes_in_place_exactly_once_and_same_weights(local_
         run_config=ray.train.RunConfig(name="elastic", storage_path=run_dir)))
     th.start()
     w = RunWatcher(os.path.join(run_dir, "elastic"))
+    # The first group forms at 2 when the third worker comes up more than the settle
+    # window (1 s) after the others; the node is lost once the group is at 3.
+    w.wait_for_event(EventKind.GROUP_FORMED, 120, where=lambda e: len(e["nodes"]) == 3)
     kill_node_at(local_cluster, w, 6)
-    w.wait_for_event(EventKind.FIRST_STEP, 120, count=2)
+    formed = len(w.events(EventKind.GROUP_FORMED))
+    w.wait_for_event(EventKind.FIRST_STEP, 120, count=formed + 1)
     local_cluster.add_node()
     result = th.wait(240)
-    assert result.world_sizes == [3, 2, 3]
+    sizes = result.world_sizes
+    assert sizes[-3:] == [3, 2, 3] and set(sizes[:-3]) <= {2}, sizes
     assert result.return_value == {"global_step": EPOCHS * SPE, "current_epoch": EPOCHS}
 
     restores = w.events(EventKind.CHECKPOINT_RESTORED)
-    assert [e["source"] for e in restores] == ["memory", "memory"], restores
+    assert [e["source"] for e in restores] == ["memory"] * (len(sizes) - 1), restores
     effective, raw = _effective_rows(cfg["index_log_dir"])
     assert {(r["world"], r["ga"]) for r in raw} == {(3, 2), (2, 3)}
     assert len(raw) >= len(effective) - sum(1 for r in effective if r.get("filled"))
