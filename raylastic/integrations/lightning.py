@@ -409,6 +409,11 @@ def prepare_trainer(trainer: "pl.Trainer", global_batch_size: Optional[int] = No
     if any(isinstance(c, GradientAccumulationScheduler) for c in callbacks):
         return _fallback(trainer, "GradientAccumulationScheduler conflicts with prepare_trainer, which sets "
                          "accumulate_grad_batches from the world size: remove the callback", fallback_to_restart)
+    # As in the HF integration: each commit reports the step's metrics, and the callback's
+    # per-epoch checkpoint would be the run's newest (ahead of the epoch's deferred commit):
+    # a resize there would restore from storage, a state ElasticState did not write.
+    for cb in [c for c in callbacks if type(c).__name__ == "RayTrainReportCallback"]:
+        callbacks.remove(cb)
     connector = trainer._accelerator_connector
     run = _ElasticRun(global_batch_size, trainer.accumulate_grad_batches, seed or 0, shuffle, state_kwargs,
                       distributed_sampler=connector.use_distributed_sampler, fallback=fallback_to_restart)

@@ -167,10 +167,15 @@ def test_hf_trainer_resizes_in_place_exactly_once_and_same_weights(local_cluster
     assert sizes[-3:] == [3, 2, 3] and set(sizes[:-3]) <= {2}, sizes
 
     restores = w.events(EventKind.CHECKPOINT_RESTORED)
-    assert [e["source"] for e in restores] == ["memory"] * (len(sizes) - 1), restores
+    # Survivors stuck where the abort does not reach (a collective inside the framework's
+    # step) are replaced: that group starts again from the newest state it can get (here
+    # none: nothing persisted yet), and the steps it redoes are rolled back, not doubled.
+    replaced = [e for e in w.events(EventKind.WORKER_LOST) if "did not stop in time" in e.get("message", "")]
+    assert restores and all(e["source"] == "memory" for e in restores), restores
+    assert replaced or len(restores) == len(sizes) - 1, restores
     effective, raw = _effective_rows(cfg["index_log_dir"])
     later = [r for r in raw if r["m_epoch"] > 1]
-    assert later and {r["restored_from"] for r in later} == {"memory"}
+    assert later and {r["restored_from"] for r in later} <= ({"memory", "none"} if replaced else {"memory"})
     assert {r["restored_from"] for r in raw if r["m_epoch"] == 1} == {"none"}
     assert {(r["world"], r["world_args"], r["ga"]) for r in raw} == {(3, 3, 2), (2, 2, 3)}
     assert len(raw) >= len(effective) - sum(1 for r in effective if r.get("filled"))

@@ -179,7 +179,12 @@ def test_lightning_trainer_resizes_in_place_exactly_once_and_same_weights(local_
     assert result.return_value == {"global_step": EPOCHS * SPE, "current_epoch": EPOCHS}
 
     restores = w.events(EventKind.CHECKPOINT_RESTORED)
-    assert [e["source"] for e in restores] == ["memory"] * (len(sizes) - 1), restores
+    # Survivors stuck where the abort does not reach (a collective inside the framework's
+    # step) are replaced: that group starts again from the newest state it can get (here
+    # none: nothing persisted yet), and the steps it redoes are rolled back, not doubled.
+    replaced = [e for e in w.events(EventKind.WORKER_LOST) if "did not stop in time" in e.get("message", "")]
+    assert restores and all(e["source"] == "memory" for e in restores), restores
+    assert replaced or len(restores) == len(sizes) - 1, restores
     effective, raw = _effective_rows(cfg["index_log_dir"])
     assert {(r["world"], r["ga"]) for r in raw} == {(3, 2), (2, 3)}
     assert len(raw) >= len(effective) - sum(1 for r in effective if r.get("filled"))
