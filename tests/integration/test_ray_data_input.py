@@ -79,10 +79,11 @@ def _lose_and_regain(cluster, trainer, run_path, kill_at):
         return th.wait(0)
     # Ray Data must leave the workers' CPUs alone (raylastic/data/reservation.py): the run
     # holds a HIGH-priority reservation of max_workers worker bundles with Ray Data's
-    # autoscaling coordinator while it runs (the cluster's 4 CPUs leave Ray Data 1), and
+    # autoscaling coordinator while it runs (capped to leave Ray Data 1 CPU), and
     # drops it when fit() returns.
     requester = f"raylastic-{os.path.basename(run_path)}"
-    assert _reserved(requester) == {"CPU": 3.0, "slot": 3.0}
+    held = _reserved(requester)  # sized from the cluster at the last request: 3 bundles, or 2
+    assert held in ({"CPU": 3.0, "slot": 3.0}, {"CPU": 2.0, "slot": 2.0}), held  # while a node rejoins
     kill_node_at(cluster, w, kill_at)
     w.wait_for_event(EventKind.FIRST_STEP, 120, count=2)
     cluster.add_node()
