@@ -36,23 +36,21 @@ Usage: python benchmarks/integrations.py [--quick] [--frameworks hf,lightning] [
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
 import signal
 import statistics
 import sys
-import tempfile
-import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recovery import _read_log as _read, _wait  # noqa: E402
-from sharded_recovery import _gap, _redone, _runs  # noqa: E402
+from _driver import (  # noqa: E402  (this folder's shared benchmark driver)
+    RESULTS, Terminated, cut_short, elastic_or_ray_train_fit, fresh_cluster, gap, lose_node, on_sigterm, read_log,
+    redone, restored, run_events, run_header, runs, start_fit, timed,
+)
 
 MODELS = {
     # HF: GPT-2 built from a config (no download); Lightning: a wide MLP LightningModule
@@ -63,14 +61,6 @@ MODELS = {
 }
 
 
-class _Terminated(Exception):
-    pass
-
-
-def _on_sigterm(_sig, _frame):
-    raise _Terminated()
-
-
 def make_fit(system: str, framework: str, cfg: Dict[str, Any], storage: str, name: str,
              checkpoint_every: int) -> Callable[[], Any]:
     from workloads import by_value
@@ -78,25 +68,7 @@ def make_fit(system: str, framework: str, cfg: Dict[str, Any], storage: str, nam
 
     by_value(wl)
     fn = wl.hf_bench if framework == "hf" else wl.lightning_bench
-    if system == "raylastic":
-        from raylastic import CheckpointConfig, ElasticTrainer, RunConfig, ScalingConfig
-
-        return ElasticTrainer(
-            fn, train_loop_config=dict(cfg, mode="raylastic"),
-            scaling_config=ScalingConfig(min_workers=2, max_workers=3),
-            run_config=RunConfig(name=name, storage_path=storage, verbose=False, progress=False,
-                                 checkpoint_config=CheckpointConfig(persist_every=checkpoint_every, num_to_keep=2)),
-        ).fit
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    return TorchTrainer(
-        fn, train_loop_config=dict(cfg, mode="ray_train"),
-        scaling_config=ray.train.ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1}),
-        run_config=ray.train.RunConfig(name=name, storage_path=storage,
-                                       failure_config=ray.train.FailureConfig(max_failures=-1),
-                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),
-    ).fit
+    return elastic_or_ray_train_fit(system, fn, cfg, storage, name, checkpoint_every)
 
 
 def _steady(rows: List[Dict[str, Any]], world: int) -> List[float]:
@@ -116,7 +88,7 @@ def _steady(rows: List[Dict[str, Any]], world: int) -> List[float]:
 
 def summarize(rows: List[Dict[str, Any]], resumes: List[Dict[str, Any]], marks: Dict[str, Any],
               box: Dict[str, Any]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"world_sizes_seen": _runs([r["world"] for r in rows]), "total_steps_logged": len(rows)}
+    out: Dict[str, Any] = {"world_sizes_seen": runs([r["world"] for r in rows]), "total_steps_logged": len(rows)}
     if "timeout" in marks:
         out["incomplete"] = marks["timeout"]
     if "error" in box:
@@ -130,8 +102,8 @@ def summarize(rows: List[Dict[str, Any]], resumes: List[Dict[str, Any]], marks: 
     if "first_small" in marks:
         f = marks["first_small"]
         out["loss_to_next_step_s"] = round(f["t"] - marks["t_kill"], 3)
-        out["steps_redone"] = _redone(rows, f)
-        out["training_gap_s"] = _gap(rows, f)
+        out["steps_redone"] = redone(rows, f)
+        out["training_gap_s"] = gap(rows, f)
         out["resumed_at_step"] = f["step"]
         out["killed_after_step"] = marks["killed_after_step"]
         later = [r for r in resumes if r["t"] > marks["t_kill"]]
@@ -160,53 +132,29 @@ def summarize(rows: List[Dict[str, Any]], resumes: List[Dict[str, Any]], marks: 
                            t_fn=round(r["t_fn"] - marks["t_fit"], 3) if r.get("t_fn") else None) for r in resumes]
     if "t_kill" in marks:
         out["t_kill"] = round(marks["t_kill"] - marks["t_fit"], 3)
-    path = getattr(box.get("result"), "path", None)
-    if path and os.path.exists(os.path.join(path, "events.jsonl")):
-        from raylastic.events import load_events
-
-        out["checkpoint_restored"] = [{k: e[k] for k in ("index", "source", "broadcast") if k in e}
-                                      for e in load_events(path) if e["kind"] == "checkpoint_restored"]
+    events = run_events(box.get("result"))
+    if events is not None:
+        out["checkpoint_restored"] = restored(events, ("index", "source", "broadcast"))
     return out
 
 
 def run_one(cluster, fit: Callable[[], Any], log_dir: str, kill_at: int, max_steps: int,
             timeout_s: float) -> Dict[str, Any]:
-    box: Dict[str, Any] = {}
-
-    def target():
-        try:
-            box["result"] = fit()
-        except BaseException as e:  # noqa: BLE001
-            box["error"] = e
-
     steps_path = os.path.join(log_dir, "steps.jsonl")
-    log = lambda: _read(steps_path)  # noqa: E731
+    log = lambda: read_log(steps_path)  # noqa: E731
     marks: Dict[str, Any] = {"t_fit": time.time()}
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
+    th, box = start_fit(fit)
     try:
-        hit = _wait(lambda: [r for r in log() if r["step"] >= kill_at] or (not th.is_alive() and [None]), timeout_s,
-                    f"step {kill_at}")
-        if hit[0] is None:
-            raise TimeoutError("fit() returned before the kill step")
-        marks["t_kill"] = time.time()
-        cluster.remove_node(cluster.worker_nodes[-1])
-        marks["killed_after_step"] = max(r["step"] for r in log())
-        marks["first_small"] = _wait(
-            lambda: [r for r in log() if r["t"] > marks["t_kill"] and r["world"] == 2] or (not th.is_alive() and [None]),
-            timeout_s, "a step on the smaller group")[0]
-        if marks["first_small"] is None:
-            del marks["first_small"]
-            raise TimeoutError("fit() returned without a step on the smaller group (the run ended before the loss?)")
+        lose_node(cluster, log, marks, timeout_s, after_step=kill_at, fit_thread=th)
         th.join(timeout_s)
         if th.is_alive():
             marks["timeout"] = f"fit() did not return within {timeout_s} s after the recovery"
     except TimeoutError as e:
         marks["timeout"] = str(e)
-    except _Terminated:
+    except Terminated:
         marks["timeout"] = "terminated (SIGTERM)"
         marks["terminated"] = True
-    res = summarize(log(), _read(os.path.join(log_dir, "resumes.jsonl")), marks, box)
+    res = summarize(log(), read_log(os.path.join(log_dir, "resumes.jsonl")), marks, box)
     if marks.get("terminated"):
         res["terminated"] = True
     last = max((r["step"] for r in log()), default=0)
@@ -329,7 +277,7 @@ def main() -> Optional[int]:
     import ray
     import torch
 
-    from raylastic.testing.cluster import FAST_FAILURE_DETECTION, LocalCluster
+    from raylastic.testing.cluster import FAST_FAILURE_DETECTION
     from workloads.integrations import hf_params, mlp_params
 
     import lightning
@@ -349,9 +297,7 @@ def main() -> Optional[int]:
         m["kind"] = "GPT2LMHeadModel from GPT2Config, AdamW" if fw == "hf" else "MLP LightningModule, Adam"
         models[fw] = m
     results: Dict[str, Any] = {
-        "benchmark": "integrations",
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **run_header("integrations"),
         "quick": args.quick,
         "models": models,
         "schedule": {"workers": "min 2, max 3", "max_steps": max_steps, "step_sleep_s": args.step_sleep_s, "kill_at_step": args.kill_at,
@@ -369,29 +315,24 @@ def main() -> Optional[int]:
     }
     for fw in frameworks:
         print(f"{fw}: {models[fw]['params'] / 1e6:.1f} M parameters", flush=True)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     for fw in frameworks:
         for system in systems:
             key = f"{system}/{fw}"
-            with tempfile.TemporaryDirectory() as tmp, LocalCluster(num_nodes=3) as cluster:
-                log_dir = os.path.join(tmp, "logs")
-                os.makedirs(log_dir)
+            with fresh_cluster() as (tmp, log_dir, cluster):
                 cfg = dict(models[fw], log_dir=log_dir, work_dir=tmp, max_steps=max_steps,
                            checkpoint_every=args.checkpoint_every, step_sleep_s=args.step_sleep_s)
                 fit = make_fit(system, fw, cfg, os.path.join(tmp, "storage"), f"integrations_{system}_{fw}",
                                args.checkpoint_every)
                 print(f"== {key}", flush=True)
-                t0 = time.time()
-                res = run_one(cluster, fit, log_dir, args.kill_at, max_steps, args.timeout_s)
-                res["wall_s"] = round(time.time() - t0, 1)
+                res = timed(run_one, cluster, fit, log_dir, args.kill_at, max_steps, args.timeout_s)
             results["runs"][key] = res
             results["targets"] = {f: targets(results["runs"], f) for f in frameworks}
             print(json.dumps({k: v for k, v in res.items() if k not in ("steps", "resumes")}, indent=1), flush=True)
             os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
             with open(out_path, "w") as fh:
                 json.dump(results, fh, indent=1)
-            if res.get("terminated"):
-                print(f"terminated; partial results in {out_path}", flush=True)
+            if cut_short(res, out_path):
                 return 1
     print(json.dumps(results["targets"], indent=1))
     print(table(results))

@@ -35,32 +35,13 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def _read_log(path: str) -> List[Dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as fh:
-        for line in fh:
-            if line.endswith("\n"):
-                out.append(json.loads(line))
-    return out
-
-
-def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+# The driver plumbing is shared with the other node-loss benchmarks; other scripts here
+# import RESULTS, _read_log and _runs from this module, so the old names stay.
+from _driver import RESULTS, fresh_cluster, lose_node, redone, restored, run_events, start_fit
+from _driver import read_log as _read_log, runs as _runs, wait as _wait
 
 
 def run_schedule(cluster, fit: Callable[[], Any], log_path: str, stop_path: str,
@@ -71,37 +52,12 @@ def run_schedule(cluster, fit: Callable[[], Any], log_path: str, stop_path: str,
     ``notice_s``: announce the loss first (a Ray node drain with that deadline, what the
     autoscaler/KubeRay do on a spot termination notice), and kill the node at the
     deadline; otherwise kill it without warning."""
-    box: Dict[str, Any] = {}
-
-    def target():
-        try:
-            box["result"] = fit()
-        except BaseException as e:  # noqa: BLE001
-            box["error"] = e
-
     t_fit = time.time()
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
+    th, box = start_fit(fit)
     log = lambda: _read_log(log_path)  # noqa: E731
-    _wait(lambda: any(r["step"] >= kill_at for r in log()), timeout_s, f"step {kill_at}")
-    victim = cluster.worker_nodes[-1]
-    if notice_s is not None:
-        from ray._raylet import GcsClient
-        from ray.core.generated import autoscaler_pb2
-
-        t_notice = time.time()
-        GcsClient(address=cluster.address).drain_node(
-            victim.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-            "benchmark: spot termination notice", int((t_notice + notice_s) * 1000))
-        time.sleep(max(0.0, t_notice + notice_s - time.time()))  # the cloud keeps its word
-    t_kill = time.time()
-    cluster.remove_node(victim)
-    # The next completed step is the first one by the smaller group: a step of the old
-    # group may still complete between the kill and its detection.
-    t_from = t_notice if notice_s is not None else t_kill
-    small = _wait(lambda: [r for r in log() if r["t"] > t_from and r["world"] == 2], timeout_s,
-                  "a step on the smaller group")
-    first_small = small[0]
+    marks: Dict[str, Any] = {}
+    first_small = lose_node(cluster, log, marks, timeout_s, after_step=kill_at, notice_s=notice_s)
+    t_kill = marks["t_kill"]
     _wait(lambda: len([r for r in log() if r["t"] > first_small["t"]]) >= steps_between, timeout_s,
           "steps on the smaller group")
     t_add = time.time()
@@ -128,9 +84,9 @@ def run_schedule(cluster, fit: Callable[[], Any], log_path: str, stop_path: str,
         # announced: negative when the group shrank before the node died
         "node_loss_to_next_step_s": round(first_small["t"] - t_kill, 3),
         "training_gap_s": round(first_small["t"] - before_small[-1]["t"], 3),
-        "steps_lost_on_loss": _redone(rows, first_small),
+        "steps_lost_on_loss": redone(rows, first_small),
         "node_added_to_first_step_s": round(first_grown["t"] - t_add, 3),
-        "steps_lost_on_grow": _redone(rows, first_grown),
+        "steps_lost_on_grow": redone(rows, first_grown),
         "steady_step_s": round(statistics.median(dts), 5) if dts else None,
         "world_sizes_seen": _runs([r["world"] for r in rows]),
         "total_steps_logged": len(rows),
@@ -140,28 +96,8 @@ def run_schedule(cluster, fit: Callable[[], Any], log_path: str, stop_path: str,
 
 def _restores(result: Any) -> Dict[str, Any]:
     """raylastic only: where each re-formed group got its state (its event log)."""
-    path = getattr(result, "path", None)
-    if not path or not os.path.exists(os.path.join(path, "events.jsonl")):
-        return {}
-    from raylastic.events import load_events
-
-    keys = ("index", "source", "broadcast", "striped")
-    return {"restores": [{k: e[k] for k in keys if k in e}
-                         for e in load_events(path) if e["kind"] == "checkpoint_restored"]}
-
-
-def _redone(rows: List[Dict[str, Any]], first_of_group: Dict[str, Any]) -> int:
-    """Steps completed before a new group's first step that it had to train again."""
-    reached = max(r["step"] for r in rows if r["t"] < first_of_group["t"])
-    return max(0, reached - (first_of_group["step"] - 1))
-
-
-def _runs(values: List[int]) -> List[int]:
-    out: List[int] = []
-    for v in values:
-        if not out or out[-1] != v:
-            out.append(v)
-    return out
+    events = run_events(result)
+    return {} if events is None else {"restores": restored(events, ("index", "source", "broadcast", "striped"))}
 
 
 def run_raylastic(cluster, cfg: Dict[str, Any], storage: str) -> Callable[[], Any]:
@@ -284,7 +220,7 @@ def main() -> None:
     # cadence raylastic's controller polls at (its default is 2 s: 2 s per step).
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
-    from raylastic.testing.cluster import FAST_FAILURE_DETECTION, LocalCluster
+    from raylastic.testing.cluster import FAST_FAILURE_DETECTION
 
     kill_at, between = (15, 10) if args.quick else (30, 20)
     model = {"hidden": args.hidden, "layers": args.layers, "dim": 64, "batch": 32, **({"cuda": True} if args.cuda else {})}
@@ -309,7 +245,7 @@ def main() -> None:
     scenarios = [s for s in args.scenarios.split(",") if s]
     for scenario in scenarios:
         for name in frameworks:
-            with tempfile.TemporaryDirectory() as tmp, LocalCluster(num_nodes=3) as cluster:
+            with fresh_cluster() as (tmp, _logs, cluster):
                 cfg = dict(model, checkpoint_every=10, log_path=os.path.join(tmp, "steps.jsonl"),
                            stop_path=os.path.join(tmp, "stop"))
                 fit = makers[name](cluster, cfg, os.path.join(tmp, "storage"))

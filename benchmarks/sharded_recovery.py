@@ -35,109 +35,50 @@ Usage: python benchmarks/sharded_recovery.py [--quick] [--systems ...] [--framew
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
-import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-from recovery import _read_log as _read, _wait  # noqa: E402  (this folder's recovery benchmark)
-
-
-def _redone(rows: List[Dict[str, Any]], first_of_group: Dict[str, Any]) -> int:
-    """Steps completed before a new group's first step that it had to train again."""
-    before = [r["step"] for r in rows if r["t"] < first_of_group["t"]]
-    return max(0, max(before) - (first_of_group["step"] - 1)) if before else 0
-
-
-def _gap(rows: List[Dict[str, Any]], first_of_group: Dict[str, Any]) -> Optional[float]:
-    """How long training paused: the last step logged before a new group's first step -> that step."""
-    before = [r["t"] for r in rows if r["t"] < first_of_group["t"]]
-    return round(first_of_group["t"] - max(before), 3) if before else None
-
-
-def _runs(values: List[int]) -> List[int]:
-    out: List[int] = []
-    for v in values:
-        if not out or out[-1] != v:
-            out.append(v)
-    return out
-
-
-class _Terminated(Exception):
-    """SIGTERM (e.g. ``timeout``): summarize the run in progress, write the JSON, exit."""
-
-
-def _on_sigterm(_sig, _frame):
-    raise _Terminated()
-
-
-def _drain(cluster, node, notice_s: float) -> float:
-    from ray._raylet import GcsClient
-    from ray.core.generated import autoscaler_pb2
-
-    t = time.time()
-    GcsClient(address=cluster.address).drain_node(
-        node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-        "benchmark: spot termination notice", int((t + notice_s) * 1000))
-    return t
+from _driver import (  # noqa: E402  (this folder's shared benchmark driver)
+    RESULTS, Terminated, cut_short, elastic_or_ray_train_fit, fresh_cluster, gap, lose_node, on_sigterm, read_log,
+    redone, restored, run_events, run_header, runs, start_fit, timed, wait,
+)
 
 
 def run_schedule(cluster, fit: Callable[[], Any], log_dir: str, stop_path: str, kill_at: int, between: int,
                  notice_s: float, timeout_s: float) -> Dict[str, Any]:
-    box: Dict[str, Any] = {}
-
-    def target():
-        try:
-            box["result"] = fit()
-        except BaseException as e:  # noqa: BLE001
-            box["error"] = e
-
     steps_path = os.path.join(log_dir, "steps.jsonl")
-    log = lambda: _read(steps_path)  # noqa: E731
+    log = lambda: read_log(steps_path)  # noqa: E731
     t_fit = time.time()
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
+    th, box = start_fit(fit)
     marks: Dict[str, Any] = {"t_fit": t_fit}
     try:
         # 1. a node removed without notice
-        _wait(lambda: any(r["step"] >= kill_at for r in log()), timeout_s, f"step {kill_at}")
-        marks["t_kill"] = time.time()
-        cluster.remove_node(cluster.worker_nodes[-1])
-        small = _wait(lambda: [r for r in log() if r["t"] > marks["t_kill"] and r["world"] == 2], timeout_s,
-                      "a step on the smaller group (after the loss)")[0]
-        marks["first_small"] = small
-        _wait(lambda: len([r for r in log() if r["t"] > small["t"]]) >= between, timeout_s, "steps at world 2")
+        small = lose_node(cluster, log, marks, timeout_s, after_step=kill_at,
+                          what="a step on the smaller group (after the loss)")
+        wait(lambda: len([r for r in log() if r["t"] > small["t"]]) >= between, timeout_s, "steps at world 2")
         # 2. a node added back
         marks["t_add"] = time.time()
         cluster.add_node()
-        grown = _wait(lambda: [r for r in log() if r["t"] > marks["t_add"] and r["world"] == 3], timeout_s,
-                      "a step at world size 3")[0]
+        grown = wait(lambda: [r for r in log() if r["t"] > marks["t_add"] and r["world"] == 3], timeout_s,
+                     "a step at world size 3")[0]
         marks["first_grown"] = grown
-        _wait(lambda: len([r for r in log() if r["t"] > grown["t"]]) >= between, timeout_s, "steps at world 3")
+        wait(lambda: len([r for r in log() if r["t"] > grown["t"]]) >= between, timeout_s, "steps at world 3")
         # 3. a node drained with a notice, removed at the deadline
-        marks["t_notice"] = _drain(cluster, cluster.worker_nodes[-1], notice_s)
-        time.sleep(max(0.0, marks["t_notice"] + notice_s - time.time()))  # the cloud keeps its word
-        marks["t_kill2"] = time.time()
-        cluster.remove_node(cluster.worker_nodes[-1])
-        small2 = _wait(lambda: [r for r in log() if r["t"] > marks["t_notice"] and r["world"] == 2], timeout_s,
-                       "a step on the smaller group (after the notice)")[0]
-        marks["first_small2"] = small2
-        _wait(lambda: len([r for r in log() if r["t"] > max(small2["t"], marks["t_kill2"])]) >= max(2, between // 2),
-              timeout_s, "steps after the drained node left")
+        small2 = lose_node(cluster, log, marks, timeout_s, notice_s=notice_s, suffix="2",
+                           what="a step on the smaller group (after the notice)")
+        wait(lambda: len([r for r in log() if r["t"] > max(small2["t"], marks["t_kill2"])]) >= max(2, between // 2),
+             timeout_s, "steps after the drained node left")
     except TimeoutError as e:
         marks["timeout"] = str(e)
-    except _Terminated:
+    except Terminated:
         marks["timeout"] = "terminated (SIGTERM) before the schedule finished"
         marks["terminated"] = True
     open(stop_path, "w").close()
@@ -156,7 +97,7 @@ def _stats(log_dir: str, until: float) -> Dict[str, Any]:
     """Per rank, at world size 3 before the first loss: snapshot stall per step, memory."""
     per_rank = {}
     for path in sorted(glob.glob(os.path.join(log_dir, "stats-*.jsonl"))):
-        rows = [r for r in _read(path) if r["t"] <= until and r["world"] == 3]
+        rows = [r for r in read_log(path) if r["t"] <= until and r["world"] == 3]
         if not rows:
             continue
         rank = rows[0]["rank"]
@@ -176,9 +117,9 @@ def _stats(log_dir: str, until: float) -> Dict[str, Any]:
 
 
 def summarize(log_dir: str, marks: Dict[str, Any], box: Dict[str, Any]) -> Dict[str, Any]:
-    rows = _read(os.path.join(log_dir, "steps.jsonl"))
-    resumes = _read(os.path.join(log_dir, "resumes.jsonl"))
-    out: Dict[str, Any] = {"world_sizes_seen": _runs([r["world"] for r in rows]), "total_steps_logged": len(rows)}
+    rows = read_log(os.path.join(log_dir, "steps.jsonl"))
+    resumes = read_log(os.path.join(log_dir, "resumes.jsonl"))
+    out: Dict[str, Any] = {"world_sizes_seen": runs([r["world"] for r in rows]), "total_steps_logged": len(rows)}
     if rows:
         out["fit_to_first_step_s"] = round(rows[0]["t"] - marks["t_fit"], 3)
     if "timeout" in marks:
@@ -202,40 +143,36 @@ def summarize(log_dir: str, marks: Dict[str, Any], box: Dict[str, Any]) -> Dict[
         f = marks["first_small"]
         out["unannounced"] = {
             "loss_to_next_step_s": round(f["t"] - marks["t_kill"], 3),
-            "steps_redone": _redone(rows, f),
-            "training_gap_s": _gap(rows, f),
+            "steps_redone": redone(rows, f),
+            "training_gap_s": gap(rows, f),
             "resumed_at_step": f["step"],
             "train_fn_resume": source_after(marks["t_kill"]),
         }
     if "first_grown" in marks:
         f = marks["first_grown"]
         out["scale_up"] = {"added_to_first_step_s": round(f["t"] - marks["t_add"], 3),
-                           "steps_redone": _redone(rows, f), "training_gap_s": _gap(rows, f),
+                           "steps_redone": redone(rows, f), "training_gap_s": gap(rows, f),
                            "train_fn_resume": source_after(marks["t_add"])}
     if "first_small2" in marks:
         f = marks["first_small2"]
         out["announced"] = {
-            "notice_s": round(marks["t_kill2"] - marks["t_notice"], 2),
-            "notice_to_next_step_s": round(f["t"] - marks["t_notice"], 3),
+            "notice_s": round(marks["t_kill2"] - marks["t_notice2"], 2),
+            "notice_to_next_step_s": round(f["t"] - marks["t_notice2"], 3),
             "loss_to_next_step_s": round(f["t"] - marks["t_kill2"], 3),
-            "steps_redone": _redone(rows, f),
-            "training_gap_s": _gap(rows, f),
-            "train_fn_resume": source_after(marks["t_notice"]),
+            "steps_redone": redone(rows, f),
+            "training_gap_s": gap(rows, f),
+            "train_fn_resume": source_after(marks["t_notice2"]),
         }
     stalls = [v["stall_per_step_s_median"] for v in per_rank.values() if v.get("stall_per_step_s_median") is not None]
     if stalls and out["steady_step_s"]:
         out["snapshot_stall_share_of_step"] = round(max(stalls) / out["steady_step_s"], 4)
-    path = getattr(box.get("result"), "path", None)
-    if path and os.path.exists(os.path.join(path, "events.jsonl")):
-        from raylastic.events import load_events
-
-        events = load_events(path)
-        out["checkpoint_restored"] = [{k: e[k] for k in ("ts", "index", "source", "broadcast") if k in e}
-                                      for e in events if e["kind"] == "checkpoint_restored"]
+    events = run_events(box.get("result"))
+    if events is not None:
+        out["checkpoint_restored"] = restored(events, ("ts", "index", "source", "broadcast"))
         out["checkpoint_invalid"] = [{k: e.get(k) for k in ("source", "reason")}
                                      for e in events if e["kind"] == "checkpoint_invalid"]
         for key, t in (("unannounced", marks.get("t_kill")), ("scale_up", marks.get("t_add")),
-                       ("announced", marks.get("t_notice"))):
+                       ("announced", marks.get("t_notice2"))):
             if key in out and t is not None:
                 nxt = [e for e in out["checkpoint_restored"] if e.get("ts", 0) > t]
                 out[key]["source"] = nxt[0]["source"] if nxt else None
@@ -258,26 +195,8 @@ def make_fit(system: str, framework: str, cfg: Dict[str, Any], storage: str, nam
 
     by_value(sharded)
     fn = sharded.fsdp2_bench if framework == "fsdp2" else sharded.deepspeed_bench
-    if system == "raylastic":
-        from raylastic import CheckpointConfig, ElasticTrainer, RunConfig, ScalingConfig
-
-        return ElasticTrainer(
-            fn, train_loop_config=dict(cfg, mode="raylastic"),
-            scaling_config=ScalingConfig(min_workers=2, max_workers=3),
-            run_config=RunConfig(name=name, storage_path=storage, verbose=False, progress=False,
-                                 checkpoint_config=CheckpointConfig(persist_every=checkpoint_every,
-                                                                    num_to_keep=2)),
-        ).fit
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    return TorchTrainer(
-        fn, train_loop_config=dict(cfg, mode="ray_train", checkpoint_every=checkpoint_every),
-        scaling_config=ray.train.ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1}),
-        run_config=ray.train.RunConfig(name=name, storage_path=storage,
-                                       failure_config=ray.train.FailureConfig(max_failures=-1),
-                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),
-    ).fit
+    return elastic_or_ray_train_fit(system, fn, cfg, storage, name, checkpoint_every,
+                                    checkpoint_every=checkpoint_every)
 
 
 def _range(vals: List[Any]) -> Any:
@@ -402,7 +321,7 @@ def main() -> Optional[int]:
         return
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # as in recovery.py
 
-    from raylastic.testing.cluster import FAST_FAILURE_DETECTION, LocalCluster
+    from raylastic.testing.cluster import FAST_FAILURE_DETECTION
     from workloads.sharded import n_params
 
     hidden = args.hidden or (768 if args.quick else 3584)
@@ -421,9 +340,7 @@ def main() -> Optional[int]:
     except Exception:  # noqa: BLE001
         ds_version = None
     results: Dict[str, Any] = {
-        "benchmark": "sharded_recovery",
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **run_header("sharded_recovery"),
         "quick": args.quick,
         "model": dict(model, params=nparams, state_mb_total=round(3 * 4 * nparams / 2**20, 1),
                       state_mb_per_rank_at_3=round(4 * nparams / 2**20, 1),
@@ -446,28 +363,23 @@ def main() -> Optional[int]:
     print(f"model: {nparams / 1e6:.1f} M parameters", flush=True)
     import signal
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     for rep in range(args.repeats):
         for fw in frameworks:
             for system in systems:
                 key = f"{system}/{fw}"
-                with tempfile.TemporaryDirectory() as tmp, LocalCluster(num_nodes=3) as cluster:
-                    log_dir = os.path.join(tmp, "logs")
-                    os.makedirs(log_dir)
+                with fresh_cluster() as (tmp, log_dir, cluster):
                     cfg = dict(model, zero_stage=3, log_dir=log_dir, stop_path=os.path.join(tmp, "stop"))
                     name = f"sharded_{system}_{fw}_{rep}"
                     fit = make_fit(system, "fsdp2" if fw == "fsdp2" else "zero3", cfg,
                                    os.path.join(tmp, "storage"), name, args.checkpoint_every)
                     print(f"== {key} (repeat {rep})", flush=True)
-                    t0 = time.time()
-                    res = run_schedule(cluster, fit, log_dir, cfg["stop_path"], kill_at, between, args.notice_s,
-                                       args.timeout_s)
-                    res["wall_s"] = round(time.time() - t0, 1)
+                    res = timed(run_schedule, cluster, fit, log_dir, cfg["stop_path"], kill_at, between,
+                                args.notice_s, args.timeout_s)
                     results["runs"].setdefault(key, []).append(res)
                     print(json.dumps({k: v for k, v in res.items() if k != "resumes"}, indent=1), flush=True)
                     finish(results, frameworks, args.out)
-                    if res.get("terminated"):
-                        print(f"terminated; partial results in {args.out}", flush=True)
+                    if cut_short(res, args.out):
                         return 1
     print(json.dumps(results["targets"], indent=1))
     print(table(results))

@@ -54,6 +54,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from raylastic import session as _session
 from raylastic.data import ElasticDataLoader
+from raylastic.integrations._elastic import refuse_or_fall_back
 from raylastic.integrations._lightning_loop import accumulation, resume_point, set_loop_counters
 
 _log = logging.getLogger(__name__)
@@ -245,14 +246,9 @@ class _ElasticRun:
 
     def attach(self, trainer: "pl.Trainer", dataloader: object) -> object:
         why = _unsupported(trainer, dataloader)
-        if why is not None:
-            # never once the run is elastic: this attempt restores from the peers' memory
-            if not self.fallback or _restoring_from_memory():
-                raise ValueError(why)
-            if not self.warned:  # Ray's prepare_trainer routed here: run as under Ray Train
-                self.warned = True
-                _log.warning("raylastic: this Lightning run is not resized in place (%s); a resize restarts "
-                             "it from its last reported checkpoint, as under Ray Train", why)
+        if why is not None:  # Ray's prepare_trainer routed here: run as under Ray Train (warned once)
+            refuse_or_fall_back(why, self.fallback, _log, "this Lightning run", warn=not self.warned)
+            self.warned = True
             return dataloader
         assert isinstance(dataloader, DataLoader)
         micro = dataloader.batch_size if dataloader.batch_size is not None \
@@ -432,14 +428,7 @@ def prepare_trainer(trainer: "pl.Trainer", global_batch_size: Optional[int] = No
 
 
 def _fallback(trainer: "pl.Trainer", why: str, fallback: bool) -> "pl.Trainer":
-    if not fallback:
-        raise ValueError(why)
-    _log.warning("raylastic: this Lightning run is not resized in place (%s); a resize restarts it from "
-                 "its last reported checkpoint, as under Ray Train", why)
+    # The strategy / callback refusals come before fit and hold on every attempt alike (a run
+    # refused here never took an elastic snapshot), so attach()'s memory-restore check is not applied.
+    refuse_or_fall_back(why, fallback, _log, "this Lightning run", strict_once_elastic=False)
     return trainer
-
-
-def _restoring_from_memory() -> bool:
-    """This attempt restores the state from the peers' memory: the run has been elastic."""
-    sess = _session._session
-    return sess is not None and sess.restore.memory_index is not None

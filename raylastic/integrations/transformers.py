@@ -56,6 +56,7 @@ from transformers import Trainer, TrainerCallback
 
 from raylastic import session as _session
 from raylastic.data import ElasticDataLoader
+from raylastic.integrations._elastic import refuse_or_fall_back
 from raylastic.state import STATE_FILE, STORE, ElasticState
 
 _log = logging.getLogger(__name__)
@@ -299,11 +300,7 @@ def prepare_trainer(trainer: Trainer, global_batch_size: int | None = None, *,
     try:
         plan = _plan(trainer, global_batch_size)
     except ValueError as e:
-        # never once the run is elastic: this attempt restores from the peers' memory
-        if not fallback_to_restart or _restoring_from_memory():
-            raise
-        _log.warning("raylastic: this Trainer is not resized in place (%s); a resize restarts it from its "
-                     "last reported checkpoint, as under Ray Train", e)
+        refuse_or_fall_back(e, fallback_to_restart, _log, "this Trainer")  # raises e unless it may
         return trainer
     args, global_batch_size, ga, steps_per_epoch, max_steps = plan
     per_device = args.per_device_train_batch_size
@@ -335,9 +332,3 @@ def elastic_state(trainer: Trainer) -> ElasticState | None:
         if isinstance(cb, _ElasticCallback):
             return cb.state
     return None
-
-
-def _restoring_from_memory() -> bool:
-    """This attempt restores the state from the peers' memory: the run has been elastic."""
-    sess = _session._session
-    return sess is not None and sess.restore.memory_index is not None

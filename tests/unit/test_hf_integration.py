@@ -15,15 +15,16 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from raylastic import session as _session  # noqa: E402
 from raylastic._internal import ray_train_compat  # noqa: E402
-from raylastic._internal.protocol import GroupSpec, RestoreInfo  # noqa: E402
+from raylastic._internal.protocol import RestoreInfo  # noqa: E402
 from raylastic.integrations.transformers import (  # noqa: E402
     elastic_state,
     gradient_accumulation_steps,
     planned_max_steps,
     prepare_trainer,
 )
-from raylastic.session import Session, StopTraining  # noqa: E402
+from raylastic.session import StopTraining  # noqa: E402
 from raylastic.state import STORE  # noqa: E402
+from trainer_session import session_for  # noqa: E402
 
 pytestmark = pytest.mark.no_ray
 
@@ -62,15 +63,6 @@ def _args(tmp_path, **kw):
                 learning_rate=0.1, lr_scheduler_type="linear", save_strategy="no", report_to="none",
                 use_cpu=True, disable_tqdm=True)
     return TrainingArguments(**{**base, **kw})
-
-
-def _session_for(run_rel, restore=None, epoch=1):
-    spec = GroupSpec(epoch=epoch, rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
-                     master_addr="127.0.0.1", master_port=0, backend="gloo")
-    sess = Session(spec=spec, storage=None, run_rel=run_rel, run_name=run_rel, restore=restore or RestoreInfo())
-    _session._set_session(sess)
-    ray_train_compat.install(sess)  # as the worker does before each attempt
-    return sess
 
 
 @pytest.fixture(autouse=True)
@@ -116,7 +108,7 @@ def test_refusals_name_the_field(tmp_path):
         prepare_trainer(object())  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="inside a train function"):
         prepare_trainer(Trainer(model=Net(), args=_args(tmp_path), train_dataset=Samples()))
-    _session_for("refuse")
+    session_for("refuse")
     with pytest.raises(ValueError, match=r"global_batch_size \(10\) is not a multiple"):
         prepare_trainer(Trainer(model=Net(), args=_args(tmp_path), train_dataset=Samples()), global_batch_size=10)
 
@@ -135,7 +127,7 @@ def _train(tmp_path, sess, seed=0, global_batch_size=None, callbacks=None):
 
 def _stopped_after_step_4(tmp_path, run_rel):
     """Attempt 1: the controller asks for a resize after report (= optimizer step) 4."""
-    sess = _session_for(run_rel)
+    sess = session_for(run_rel)
     sess.request_stop_at(4)
     torch.manual_seed(0)
     first = Net()
@@ -149,14 +141,14 @@ def _stopped_after_step_4(tmp_path, run_rel):
 
 
 def test_stop_and_in_process_restore_continue_the_same_run(tmp_path):
-    full, trainer = _train(tmp_path, _session_for("hf-full"), global_batch_size=8)
+    full, trainer = _train(tmp_path, session_for("hf-full"), global_batch_size=8)
     assert (trainer.args.gradient_accumulation_steps, trainer.args.max_steps) == (2, 10)
     assert trainer.state.global_step == 10 and sorted(full.seen) == sorted(list(range(40)) * 2)
 
     first = _stopped_after_step_4(tmp_path, "hf-resized")
     # Attempt 2 in the same process: another initial model (it must not matter) and no
     # global_batch_size (it comes back from the snapshot, 8, not 4 * 1 * 1).
-    again = _session_for("hf-resized", RestoreInfo(index=4, memory_index=4), epoch=2)
+    again = session_for("hf-resized", RestoreInfo(index=4, memory_index=4), epoch=2)
     begun = []
 
     class SeesTheRestoredStep(TrainerCallback):
@@ -176,14 +168,14 @@ def test_storage_fallback_restores_the_same_state_and_global_batch(tmp_path):
     checkpoint in storage gives the state and the global batch back."""
     from raylastic.checkpoint.storage import Storage
 
-    full, _ = _train(tmp_path, _session_for("hf-full-2"), global_batch_size=8)
+    full, _ = _train(tmp_path, session_for("hf-full-2"), global_batch_size=8)
     first = _stopped_after_step_4(tmp_path, "hf-persisted")
     storage = Storage(str(tmp_path / "storage"))
     local = tmp_path / "ckpt"
     local.mkdir()
     STORE.get("hf-persisted", 4).save(str(local))  # what rank 0's persisted snapshot holds
     storage.upload_dir(str(local), "run/checkpoints/checkpoint_00000004-e1")
-    sess = _session_for("hf-elsewhere", RestoreInfo(checkpoint_rel="run/checkpoints/checkpoint_00000004-e1",
+    sess = session_for("hf-elsewhere", RestoreInfo(checkpoint_rel="run/checkpoints/checkpoint_00000004-e1",
                                                     index=4), epoch=2)
     sess.storage = storage
     second, trainer = _train(tmp_path, sess, seed=5)
@@ -197,7 +189,7 @@ def test_storage_fallback_restores_the_same_state_and_global_batch(tmp_path):
 def test_ray_prepare_trainer_routes_to_raylastic_in_a_session(tmp_path):
     import ray.train.huggingface.transformers as ray_hf
 
-    _session_for("ray-routed")
+    session_for("ray-routed")
     assert hasattr(ray_hf.prepare_trainer, "__wrapped__")
     trainer = ray_hf.prepare_trainer(Trainer(model=Net(), args=_args(tmp_path, gradient_accumulation_steps=3),
                                              train_dataset=Samples()))
@@ -233,7 +225,7 @@ def test_what_cannot_be_resized_in_place_falls_back_to_restarts_when_asked(tmp_p
     """Ray's routed ``prepare_trainer`` passes ``fallback_to_restart=True``: a Ray Train script
     ours cannot resize in place (here an iterable dataset, as Ray Data's) keeps running as
     under Ray Train, with a warning; called directly, the same trainer is refused."""
-    _session_for("fallback")
+    session_for("fallback")
     trainer = Trainer(model=Net(), args=_args(tmp_path, max_steps=4), train_dataset=Stream())
     with pytest.raises(ValueError, match="map-style"):
         prepare_trainer(trainer)
@@ -251,11 +243,7 @@ def test_what_cannot_be_resized_in_place_falls_back_to_restarts_when_asked(tmp_p
 def test_the_default_global_batch_is_the_scripts_full_size(tmp_path):
     """A run that starts below max_workers keeps the batch the script describes at full
     size (per-device batch x accumulation x max_workers), so it can grow later."""
-    spec = GroupSpec(epoch=1, rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
-                     master_addr="127.0.0.1", master_port=0, backend="gloo", max_workers=3)
-    sess = Session(spec=spec, storage=None, run_rel="full-size", run_name="full-size", restore=RestoreInfo())
-    _session._set_session(sess)
-    ray_train_compat.install(sess)
+    session_for("full-size", max_workers=3)
     trainer = prepare_trainer(Trainer(model=Net(), args=_args(tmp_path), train_dataset=Samples()))
     assert trainer.args.gradient_accumulation_steps == 3  # 4 * 1 * 3 = 12 samples per step at world 1
     assert trainer.args.max_steps == 2 * (40 // 12)

@@ -10,8 +10,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from raylastic import session as _session
-from raylastic._internal import ray_train_compat
-from raylastic._internal.protocol import GroupSpec, RestoreInfo
+from raylastic._internal.protocol import RestoreInfo
 from raylastic.data import ElasticDataLoader, global_batch_indices, steps_per_epoch
 from raylastic.integrations.lightning import (
     ElasticBatches,
@@ -20,8 +19,9 @@ from raylastic.integrations.lightning import (
     resume_point,
     set_loop_counters,
 )
-from raylastic.session import Session, StopTraining
+from raylastic.session import StopTraining
 from raylastic.state import STORE
+from trainer_session import session_for
 
 N, G, MICRO, SEED = 40, 8, 2, 3  # 5 steps per epoch, 4 micro-batches per step at world size 1
 
@@ -205,15 +205,6 @@ def group():
     dist.destroy_process_group()
 
 
-def _session_for(run_rel, restore=None, epoch=1):
-    spec = GroupSpec(epoch=epoch, rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
-                     master_addr="127.0.0.1", master_port=0, backend="gloo")
-    sess = Session(spec=spec, storage=None, run_rel=run_rel, run_name=run_rel, restore=restore or RestoreInfo())
-    _session._set_session(sess)
-    ray_train_compat.install(sess)  # as the worker does before each attempt
-    return sess
-
-
 def _attempt(seed, global_batch_size=None, via_ray=False, nets=None):
     torch.manual_seed(seed)
     net = Net()
@@ -242,21 +233,21 @@ def _attempt(seed, global_batch_size=None, via_ray=False, nets=None):
 
 @pytest.mark.parametrize("stop_at", [5, 7])  # 5: the last step of epoch 0; 7: mid-epoch 1
 def test_stop_and_in_process_restore_continue_the_same_run(group, stop_at):
-    _session_for(f"lt-full-{stop_at}")
+    session_for(f"lt-full-{stop_at}")
     full, whole = _attempt(0, global_batch_size=G)
     spe = steps_per_epoch(N, G)
     assert (whole.global_step, whole.current_epoch, whole.accumulate_grad_batches) == (3 * spe, 3, G // MICRO)
     assert sorted(full.seen) == sorted(i for e in range(3) for s in range(spe) for i in _expected(e, s))
     assert sorted(full.val_seen) == sorted(list(range(N)) * 3)  # every rank's share of each validation
 
-    _session_for(f"lt-resized-{stop_at}").request_stop_at(stop_at)  # the controller asks for a resize
+    session_for(f"lt-resized-{stop_at}").request_stop_at(stop_at)  # the controller asks for a resize
     nets = []
     with pytest.raises(StopTraining):
         _attempt(0, global_batch_size=G, nets=nets)
     first = nets[0]
     # Attempt 2 in the same process: another initial model (it must not matter) and no
     # global_batch_size (it comes back from the snapshot, 8, not the default 2 * 1 * 1).
-    _session_for(f"lt-resized-{stop_at}", RestoreInfo(index=stop_at, memory_index=stop_at), epoch=2)
+    session_for(f"lt-resized-{stop_at}", RestoreInfo(index=stop_at, memory_index=stop_at), epoch=2)
     second, trainer = _attempt(5, via_ray=stop_at == 7)  # also Ray's Lightning API, prepared by Ray then us
     assert trainer.callbacks[-1].restored_from == "memory"
     assert (trainer.global_step, trainer.current_epoch, trainer.accumulate_grad_batches) == (3 * spe, 3, G // MICRO)
@@ -272,7 +263,7 @@ def test_stop_and_in_process_restore_continue_the_same_run(group, stop_at):
 def test_refusals_name_the_field(group):
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
-    _session_for("lt-refuse")
+    session_for("lt-refuse")
     with pytest.raises(ValueError, match="GradientAccumulationScheduler"):
         prepare_trainer(pl.Trainer(accelerator="cpu", devices=1, logger=False,
                                    callbacks=[GradientAccumulationScheduler({0: 2})]))

@@ -247,24 +247,14 @@ def param_ptrs(model: Optional[torch.nn.Module]) -> Set[int]:
     return {p.data_ptr() for p in model.parameters()} if model is not None else set()
 
 
-class StateCopier:
-    """Copies a model's and an optimizer's state dicts into host buffers.
+class CopyWaiter:
+    """The training thread's side of a deferred copy: the copy in flight, and the time
+    spent blocked on copies. One base for ``StateCopier`` and ``ShardedState`` so that
+    the optimizer's step pre-hook waits (and accounts the wait) the same way for both."""
 
-    With ``overlap`` (and an optimizer to hook), parameters and optimizer state are
-    copied by the copy thread / a CUDA side stream while the next step runs, and the
-    optimizer's next ``step()`` waits for that copy (a step pre-hook); model buffers are
-    copied at once. Without it, everything is copied before ``copy()`` returns.
-    """
-
-    def __init__(self, model: Optional[torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
-                 overlap: bool = True):
-        self._model = model
-        self._objs = {k: o for k, o in (("model", model), ("optimizer", optimizer)) if o is not None}
-        self.overlap = bool(overlap and optimizer is not None)
+    def __init__(self) -> None:
         self._pending: Optional[PendingCopy] = None
         self.blocked_s = 0.0  # time the training thread spent in copy() and wait(), in total
-        if self.overlap and optimizer is not None:
-            optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.wait())
 
     def wait(self) -> None:
         """Return once the last copy no longer reads the live tensors (re-raises its error)."""
@@ -275,6 +265,25 @@ class StateCopier:
                 pending.wait()
             finally:
                 self.blocked_s += time.perf_counter() - t0
+
+
+class StateCopier(CopyWaiter):
+    """Copies a model's and an optimizer's state dicts into host buffers.
+
+    With ``overlap`` (and an optimizer to hook), parameters and optimizer state are
+    copied by the copy thread / a CUDA side stream while the next step runs, and the
+    optimizer's next ``step()`` waits for that copy (a step pre-hook); model buffers are
+    copied at once. Without it, everything is copied before ``copy()`` returns.
+    """
+
+    def __init__(self, model: Optional[torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
+                 overlap: bool = True):
+        super().__init__()
+        self._model = model
+        self._objs = {k: o for k, o in (("model", model), ("optimizer", optimizer)) if o is not None}
+        self.overlap = bool(overlap and optimizer is not None)
+        if self.overlap and optimizer is not None:
+            optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.wait())
 
     def copy(self, old: Optional[dict], on_done: Callable[[Optional[BaseException]], None],
              holding: Holding = WHOLE) -> Tuple[dict, Callable[[], None]]:

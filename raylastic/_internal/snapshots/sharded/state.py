@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from raylastic._internal.snapshots.capture import PendingCopy, map_leaves, nbytes, plan_copy
+from raylastic._internal.snapshots.capture import CopyWaiter, PendingCopy, map_leaves, nbytes, plan_copy
 from raylastic._internal.snapshots.persist import read_shards, shard_writer
 from raylastic._internal.snapshots.placement import held_shards
 from raylastic._internal.snapshots.sharded.layout import ROOT, Chunk, dtype_of, layout_fingerprint, meta
@@ -41,13 +41,14 @@ from raylastic._internal.snapshots.transport import PeerExchange, side_group
 logger = logging.getLogger("raylastic")
 
 
-class ShardedState:
+class ShardedState(CopyWaiter):
     """The sharded half of one ``ElasticState`` (``registry.Half``): one per train-function
     attempt. ``overlap``: the copy of the own shard runs until the optimizer's next step."""
 
     snapshot_on_stop = False  # every rank must take the same snapshots: their peer copies pair up
 
     def __init__(self, adapter: Any, sess: Any, *, overlap: bool, store: Any = STORE):
+        super().__init__()  # the copy of the own shard the next optimizer step waits for
         spec = sess.spec
         rank, world, stripe = spec.rank, spec.world_size, tuple(spec.stripe)
         self.adapter = adapter
@@ -55,8 +56,6 @@ class ShardedState:
         self._store = store
         self.rank, self.world = rank, world
         self.overlap = overlap
-        self._pending: Optional[PendingCopy] = None
-        self.blocked_s = 0.0
         self._group = None
         self._exchange: Optional[PeerExchange] = None
         self._layout: Optional[Dict[int, List[Chunk]]] = None
@@ -72,16 +71,6 @@ class ShardedState:
         self.holds = held_shards(world, stripe, rank)
         if overlap:  # the optimizer's next step waits for the copy of the own shard
             adapter.optimizer.register_step_pre_hook(lambda _o, _a, _k: self.wait())
-
-    # -- the copy the next optimizer step waits for -------------------------------------------
-    def wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            t0 = time.perf_counter()
-            try:
-                pending.wait()
-            finally:
-                self.blocked_s += time.perf_counter() - t0
 
     # -- restore -----------------------------------------------------------------------------
     def restore_memory(self, index: int, snap: Optional[Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
