@@ -8,10 +8,12 @@
 # Needs python3 with a CUDA build of torch. Where Ray is not installed, wheels in .whl/
 # (ray 2.60.0 for that Python, its jars left out, and the few dependencies the image lacks)
 # are installed into /tmp/site first.
-#   1. tests/gpu: the CUDA snapshot copy, and NCCL training on every GPU through a Ray cluster
+#   1. tests/gpu: the CUDA snapshot copy, NCCL training on every GPU through a Ray cluster, and
+#      FSDP2 on the GPU persisted and resumed from storage like an uninterrupted run
 #   2. benchmarks/gpu_snapshot.py: snapshot stall per step and restore on the 51.6M model
 #   3. benchmarks/recovery.py --cuda: node loss and scale-up with the model on the GPU,
-#      raylastic against Ray Train in the same run
+#      raylastic against Ray Train in the same run (FRAMEWORKS, default all three)
+# The limits keep the whole script inside one 10-minute device call.
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -28,9 +30,9 @@ cat "$OUT/env.txt"
 step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "== $name rc=$rc in $((SECONDS - t0)) s"; tail -n 25 "$OUT/$name.log"; }
-step gpu_tests 150 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu
+step gpu_tests 200 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu
 step gpu_snapshot 90 python3 benchmarks/gpu_snapshot.py --out "$OUT/gpu_snapshot.json"
-step recovery_cuda 300 python3 benchmarks/recovery.py --cuda --quick --hidden 1536 --layers 5 \
-  --scenarios unannounced --frameworks raylastic_state,raylastic,ray_train --out "$OUT/recovery_cuda.json"
+step recovery_cuda ${RECOVERY_LIMIT_S:-300} python3 benchmarks/recovery.py --cuda --quick --hidden 1536 --layers 5 \
+  --scenarios unannounced --frameworks ${FRAMEWORKS:-raylastic_state,raylastic,ray_train} --out "$OUT/recovery_cuda.json"
 pkill -9 -f "raylet|gcs_server|ray::" 2>/dev/null
 exit 0

@@ -74,13 +74,15 @@ def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
     """FSDP2 (``fully_shard`` per Linear and at the root) + Adam, state in ``ElasticState``.
 
     config: n, global_batch (48), micro_batch (16), epochs, lr (0.01), hidden, layers,
-    seed, step_sleep_s, persist_every, index_log_dir, weights_out."""
+    seed, step_sleep_s, persist_every, index_log_dir, weights_out, cuda (False: model and
+    batches on the process's current CUDA device, for NCCL under ``use_gpu=True``)."""
     from torch.distributed.fsdp import fully_shard
 
     from raylastic.data import ElasticDataLoader
 
     ctx = raylastic.get_context()
-    model = mlp(config)
+    device = torch.device("cuda", torch.cuda.current_device()) if config.get("cuda") else torch.device("cpu")
+    model = mlp(config).to(device)
     for m in model:
         if isinstance(m, nn.Linear):
             fully_shard(m)
@@ -96,7 +98,8 @@ def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
     while loader.epoch < epochs:
         for batch in loader:
             for (xb, yb), weight in batch.accumulate(model):
-                (nn.functional.binary_cross_entropy_with_logits(model(xb), yb) * weight).backward()
+                logits = model(xb.to(device))
+                (nn.functional.binary_cross_entropy_with_logits(logits, yb.to(device)) * weight).backward()
             opt.step()
             opt.zero_grad()
             _write_row(log, ctx, batch)
@@ -109,7 +112,7 @@ def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
             state.commit(metrics)
     if log is not None:
         log.close()
-    full = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    full = {k: v.full_tensor().detach().cpu().clone() for k, v in model.state_dict().items()}
     if ctx.get_world_rank() == 0 and config.get("weights_out"):
         torch.save(full, config["weights_out"])
     return {"snapshot_bytes": state.snapshot_bytes(), "shard_bytes": state.shard_bytes()}
