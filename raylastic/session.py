@@ -93,6 +93,7 @@ class Session:
         self._upload_error: Optional[BaseException] = None
         self._skip_next: Optional[str] = None  # the next record is a skipped persisted snapshot (why)
         self.last_files_index = -1  # the newest report whose checkpoint carried files (-1: none yet)
+        self.last_files_rel: Optional[str] = None  # the directory that report's files went to
         self.storage = storage
         self.run_rel = run_rel
         self.context = TrainContext(spec, run_name, restore.restart_count)
@@ -112,12 +113,16 @@ class Session:
         self.data: Any = None
 
     # -- called from the train thread -------------------------------------------------
-    def report(self, metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
+    def report(self, metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None,
+               checkpoint_dir_name: Optional[str] = None) -> None:
+        """``checkpoint_dir_name``: upload the checkpoint into ``<run>/<name>/`` (Ray Train's
+        layout; the caller has checked the name: ``checkpoint.manager.named_dir_problem``)
+        instead of ``<run>/checkpoints/checkpoint_<index>-e<epoch>/``."""
         record = self._next_record(metrics)
         if checkpoint is None:
             self._append(record)
         else:
-            self._persist(checkpoint, record)
+            self._persist(checkpoint, record, checkpoint_dir_name)
         self._maybe_stop(record.index)
 
     def report_snapshot(self, metrics: Dict[str, Any], writer, persist: bool) -> None:
@@ -197,7 +202,7 @@ class Session:
         with self._lock:
             self._records.append(record)
 
-    def _persist(self, checkpoint: Checkpoint, record: ReportRecord) -> None:
+    def _persist(self, checkpoint: Checkpoint, record: ReportRecord, dir_name: Optional[str] = None) -> None:
         """Stage the files locally (the only stall), then upload in the background, or
         wait for the upload when ``CheckpointConfig(async_upload=False)``."""
         start = time.perf_counter()
@@ -212,8 +217,9 @@ class Session:
         if self.data is not None:  # the split datasets' positions, next to the user's files
             self.data.write_positions(staged)
         record.stage_s = time.perf_counter() - start
-        record.checkpoint_rel = checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
-        self.last_files_index = record.index
+        record.checkpoint_rel = (f"{self.run_rel}/{dir_name}" if dir_name
+                                 else checkpoint_rel(self.run_rel, record.index, self.spec.epoch))
+        self.last_files_index, self.last_files_rel = record.index, record.checkpoint_rel
         record.wait_s = self.uploader.submit(staged, record.checkpoint_rel, self._on_uploaded(record))
         if not self.async_upload:
             self.uploader.wait()

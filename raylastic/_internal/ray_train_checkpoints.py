@@ -28,10 +28,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 logger = logging.getLogger("raylastic")
 
@@ -151,74 +150,50 @@ def _wait_exists(sess: Any, rel: str, deadline: float, quiet: bool = False) -> N
 
 # -- ``ray.train.report(checkpoint_dir_name=...)``: Ray Train's checkpoint directory names --
 
-_named = threading.local()
-_named_rels: Dict[Tuple[str, int, int], str] = {}  # (run, epoch, index) -> the named directory uploaded to
-
-
 def _files_rel(sess: Any, index: int) -> str:
-    """The directory this rank's checkpoint files of report ``index`` went to ("" for -1)."""
+    """The directory this rank's checkpoint files of report ``index`` went to ("" for -1):
+    the one its report named (``Session.last_files_rel``) for its newest such report."""
     if index < 0:
         return ""
+    if index == sess.last_files_index and getattr(sess, "last_files_rel", None):
+        return sess.last_files_rel
     from raylastic.session import checkpoint_rel
 
-    rel = _named_rels.get((sess.run_rel, sess.spec.epoch, index))
-    return rel or getattr(checkpoint_rel, "__wrapped__", checkpoint_rel)(sess.run_rel, index, sess.spec.epoch)
+    return checkpoint_rel(sess.run_rel, index, sess.spec.epoch)
 
 
-def _named_checkpoint_rel(original: Callable[[str, int, int], str]) -> Callable[[str, int, int], str]:
-    def checkpoint_rel(run_rel: str, index: int, epoch: int) -> str:
-        name = getattr(_named, "name", None)
-        if not name:
-            return original(run_rel, index, epoch)
-        while len(_named_rels) >= 1024:  # the oldest go: only recent reports are waited on
-            del _named_rels[next(iter(_named_rels))]
-        _named_rels[(run_rel, epoch, index)] = rel = f"{run_rel}/{name}"
-        return rel
+def usable_dir_name(name: Any) -> Optional[str]:
+    """``name`` if a report may upload its checkpoint into ``<run>/<name>/``; else None,
+    with a warning (the checkpoint then goes to ``checkpoints/checkpoint_<index>-e<epoch>/``):
+    a name that is not one plain path segment, or is one raylastic uses in the run
+    directory (``checkpoints``, hidden names)."""
+    from raylastic.checkpoint.manager import named_dir_problem
 
-    checkpoint_rel.__wrapped__ = original  # type: ignore[attr-defined]
-    return checkpoint_rel
+    problem = named_dir_problem(name)
+    if problem is None:
+        return name
+    logger.warning("report(checkpoint_dir_name=%r) ignored: %s; the checkpoint goes to "
+                   "checkpoints/checkpoint_<index>-e<epoch>/", name, problem)
+    return None
 
 
 def honour_dir_names() -> None:
     """In this worker process, make ``ray.train.report(..., checkpoint_dir_name=name)`` upload
     the checkpoint into ``<run>/<name>/`` (Ray Train's layout) instead of
-    ``<run>/checkpoints/checkpoint_<index>-e<epoch>/``. Ranks that report the same name write
+    ``<run>/checkpoints/checkpoint_<index>-e<epoch>/``: the session's report takes the name
+    (``Session.report(checkpoint_dir_name=...)``). Ranks that report the same name write
     into the same directory, which commits (its manifest) once every rank reported, as any
-    checkpoint here. A name that is not one plain path segment, or is one raylastic uses in
-    the run directory (``checkpoints``, hidden names), is ignored with a warning. Called by
-    ``raylastic.TorchTrainer``'s train-function wrapper after the session is installed."""
+    checkpoint here. A name :func:`usable_dir_name` refuses is ignored with a warning.
+    Called by ``raylastic.TorchTrainer``'s train-function wrapper after the session (and its
+    ``RayTrainAdapter``) is installed; ``ElasticTrainer`` runs keep raylastic's layout."""
     from ray.train.v2._internal.execution.train_fn_utils import get_train_fn_utils
 
-    from raylastic import session as _session
-    from raylastic.checkpoint.manager import named_dir_problem
-
-    _named_rels.clear()  # a new attempt (session): the directories of earlier ones are not waited on
-    if not hasattr(_session.checkpoint_rel, "__wrapped__"):
-        _session.checkpoint_rel = _named_checkpoint_rel(_session.checkpoint_rel)  # type: ignore[assignment]
     try:
         utils = get_train_fn_utils()
     except RuntimeError:  # no Ray Train API routed in this process (ray_train_compat.install)
         return
-    report = utils.report
-    if getattr(report, "_names_dirs", False):
-        return
-
-    def named_report(metrics: Any, checkpoint: Any = None, checkpoint_dir_name: Optional[str] = None,
-                     *args: Any, **kwargs: Any) -> None:
-        name = checkpoint_dir_name if checkpoint is not None else None
-        problem = named_dir_problem(name) if name is not None else None
-        if problem is not None:
-            logger.warning("report(checkpoint_dir_name=%r) ignored: %s; the checkpoint goes to "
-                           "checkpoints/checkpoint_<index>-e<epoch>/", name, problem)
-            name = None
-        _named.name = name
-        try:
-            report(metrics, checkpoint, checkpoint_dir_name, *args, **kwargs)
-        finally:
-            _named.name = None
-
-    named_report._names_dirs = True  # type: ignore[attr-defined]
-    utils.report = named_report  # type: ignore[method-assign]
+    if hasattr(utils, "names_dirs"):  # a RayTrainAdapter
+        utils.names_dirs = True
 
 
 def write_ray_snapshot(storage: Any, run_rel: str, cc: Any) -> None:

@@ -25,7 +25,7 @@ from ray.train.v2._internal.execution.train_fn_utils import TrainFnUtils, set_tr
 from ray.train.v2.api.context import TrainContext as RayTrainContext
 
 from raylastic import session as _session
-from raylastic._internal.ray_train_checkpoints import ReportProgress, Retention
+from raylastic._internal.ray_train_checkpoints import ReportProgress, Retention, usable_dir_name
 
 # The run's retention rules, set in this worker process by ``raylastic.TorchTrainer``'s
 # train-function wrapper; ``ElasticTrainer`` runs keep the default (the controller has
@@ -74,11 +74,18 @@ class RayTrainAdapter(TrainFnUtils):
         self._sess = sess
         self._context = RayContext(sess.context)
         self._progress = ReportProgress()
+        # report(checkpoint_dir_name=...) names the checkpoint's directory: set for
+        # raylastic.TorchTrainer runs (ray_train_checkpoints.honour_dir_names); ElasticTrainer
+        # runs keep raylastic's checkpoints/ layout.
+        self.names_dirs = False
 
     def report(self, metrics: Dict[str, Any], checkpoint=None, checkpoint_dir_name=None,
                checkpoint_upload_mode=None, delete_local_checkpoint_after_upload=None,
                checkpoint_upload_fn=None, validation=False) -> None:
-        self._sess.report(metrics, checkpoint)
+        name = None
+        if self.names_dirs and checkpoint is not None and checkpoint_dir_name is not None:
+            name = usable_dir_name(checkpoint_dir_name)
+        self._sess.report(metrics, checkpoint, checkpoint_dir_name=name)
         self._progress.after_report(self._sess)
 
     def get_checkpoint(self):

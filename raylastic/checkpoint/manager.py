@@ -224,6 +224,12 @@ class CheckpointManager:
                     committed.append(ckpt)
         return committed
 
+    def incomplete_through(self, index: int) -> List[int]:
+        """Report indices up to ``index`` of this epoch that some ranks, not all, have
+        reported so far: what could still commit if the rest arrive (the controller keeps
+        collecting them for a moment after a rank raised)."""
+        return sorted(i for i in self._pending if i <= index)
+
     def commit_after_loss(self, lost_ranks: List[int]) -> List[CommittedCheckpoint]:
         """Ranks died before their report of an index reached us. If every survivor
         reported it and, in this epoch's earlier commits, the lost ranks never wrote

@@ -36,6 +36,11 @@ class FakeWorker:
     stalled: bool = False  # reports nothing (a slow step that never ends)
     dead: bool = False
     crashed: bool = False  # died on a live node (a real failure), not a node loss
+    # A report with a checkpoint reaches the controller this many polls late (its upload
+    # still running), whatever the worker does meanwhile (raise, stop).
+    late_checkpoints: int = 0
+    polls: int = 0
+    held: List[tuple] = field(default_factory=list)  # (poll it arrives at, record)
     restores: List[RestoreInfo] = field(default_factory=list)
 
 
@@ -158,6 +163,9 @@ class FakeGroup:
     def _advance(self, w: FakeWorker) -> PollResult:
         """One report of a running worker (the simulated train function)."""
         records, error = [], None
+        w.polls += 1
+        records += [rec for due, rec in w.held if due <= w.polls]
+        w.held = [(due, rec) for due, rec in w.held if due > w.polls]
         if w.status == WorkerStatus.RUNNING and not w.stalled:
             if w.stop_at is not None and w.index >= w.stop_at:
                 w.status = WorkerStatus.STOPPED
@@ -168,7 +176,11 @@ class FakeGroup:
                 w.index += 1
                 if self.on_report is not None:
                     self.on_report(w.rank, w.index)
-                records.append(self._record(w))
+                rec = self._record(w)
+                if rec.checkpoint_rel and w.late_checkpoints:
+                    w.held.append((w.polls + w.late_checkpoints, rec))
+                else:
+                    records.append(rec)
                 if w.index >= self._total:
                     w.status = WorkerStatus.FINISHED
         return PollResult(status=w.status, epoch=w.epoch, records=records, error=error, index=w.index,

@@ -265,3 +265,42 @@ def test_a_node_lost_while_a_graceful_stop_is_agreed_is_a_node_loss(tmp_path):
     assert [(e["wid"], e["cause"]) for e in lost] == [(b.wid, "node_lost")]
     assert [e["graceful"] for e in _events(tmp_path, ctrl, EventKind.RESIZE)] == [False]
     assert ctrl._counts.node_losses == 1
+
+
+def _late_checkpoint_then_errors(tmp_path, late_polls):
+    """Two ranks; rank 0 checkpoints every 2 reports. Rank 0's checkpoint of report ``n``
+    reaches the controller ``late_polls`` polls late (its upload still running) while
+    rank 1 raises right after report ``n`` and rank 0 one report later."""
+    ctrl, group = _controller(tmp_path, group_kw={"checkpoint_every": 2}, min_w=2, max_w=2)
+    a, b = _start(ctrl, group, ["na", "nb"])
+    _tick_until(ctrl, lambda st: st.progress.reached() >= 3)
+    n = group.worker(a).index + 4 - group.worker(a).index % 2  # an even report (a checkpoint) ahead
+    group.worker(a).late_checkpoints = late_polls
+    group.worker(b).raise_at = n + 1
+    group.worker(a).raise_at = n + 2
+    return ctrl, group, n
+
+
+def test_a_checkpoint_reported_before_a_rank_raised_commits_before_the_run_fails(tmp_path):
+    """Rank 1 raises right after report n; rank 0's checkpoint of n is still uploading: the
+    controller collects the others' reports for a moment before failing the run, so the
+    checkpoint commits (as in Ray Train, whose report() returns once it is registered),
+    and rank 0's error, raised meanwhile, is in the run's error too."""
+    ctrl, group, n = _late_checkpoint_then_errors(tmp_path, late_polls=4)
+    assert _tick_until(ctrl, lambda st: isinstance(st, Errored)) == ["Running", "Errored"]
+    assert ctrl._ckpt.latest().index == n
+    err = ctrl._state.error
+    assert isinstance(err, TrainingFailedError) and "rank 0" in str(err) and "rank 1" in str(err)
+    committed = [e["index"] for e in _events(tmp_path, ctrl, EventKind.CHECKPOINT_COMMITTED)]
+    assert committed[-1] == n
+
+
+def test_the_wait_for_the_last_reports_after_an_error_is_bounded(tmp_path, monkeypatch):
+    from raylastic._internal.controller import failure_steps
+
+    monkeypatch.setattr(failure_steps, "LAST_REPORTS_GRACE_S", 0.3)
+    ctrl, group, n = _late_checkpoint_then_errors(tmp_path, late_polls=10 ** 9)  # never arrives
+    start = time.monotonic()
+    assert _tick_until(ctrl, lambda st: isinstance(st, Errored)) == ["Running", "Errored"]
+    assert time.monotonic() - start < 5
+    assert ctrl._ckpt.latest() is None or ctrl._ckpt.latest().index < n

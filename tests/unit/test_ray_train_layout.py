@@ -136,35 +136,59 @@ def test_a_name_reported_again_replaces_the_checkpoint(tmp_path):
     assert [c.metrics for c in committed_checkpoints(storage, "run")] == [{"step": 2}]
 
 
-class _Utils:
-    def __init__(self):
-        self.seen = []
-
-    def report(self, metrics, checkpoint=None, checkpoint_dir_name=None, **kw):
-        from raylastic import session as _session
-
-        self.seen.append(_session.checkpoint_rel("run", 7, 2))
-
-
-@pytest.mark.parametrize("name, checkpoint, rel", [
-    ("checkpoint_epoch=3", object(), "run/checkpoint_epoch=3"),
-    (None, object(), "run/checkpoints/checkpoint_00000007-e2"),
-    ("checkpoint_epoch=3", None, "run/checkpoints/checkpoint_00000007-e2"),  # no checkpoint: nothing named
-    ("a/b", object(), "run/checkpoints/checkpoint_00000007-e2"),  # not one plain segment: ignored
-    ("checkpoints", object(), "run/checkpoints/checkpoint_00000007-e2"),  # raylastic's own directory
-])
-def test_report_uploads_into_the_named_directory(monkeypatch, name, checkpoint, rel):
+def _adapter_session(tmp_path, monkeypatch, upload=True):
+    """A rank's session with Ray Train's API routed to it (as ``ray_train_compat.install``)."""
     from ray.train.v2._internal.execution import train_fn_utils
 
-    utils = _Utils()
-    monkeypatch.setattr(train_fn_utils, "_train_fn_utils", utils)
-    rtc.honour_dir_names()
-    rtc.honour_dir_names()  # idempotent
-    utils.report({"m": 1}, checkpoint, checkpoint_dir_name=name)
-    from raylastic import session as _session
+    from raylastic._internal import ray_train_compat
+    from raylastic.checkpoint.uploader import AsyncUploader
+    from tests.unit.test_ray_train_trainer import _session
 
-    assert utils.seen == [rel]
-    assert _session.checkpoint_rel("run", 7, 2) == "run/checkpoints/checkpoint_00000007-e2"  # outside report()
+    sess = _session(tmp_path)
+    sess.uploader, sess.async_upload = (AsyncUploader(sess.storage), False) if upload else (None, True)
+    adapter = ray_train_compat.RayTrainAdapter(sess)
+    monkeypatch.setattr(train_fn_utils, "_train_fn_utils", adapter)
+    return sess, adapter
+
+
+def _dir_checkpoint(tmp_path, name="src"):
+    src = tmp_path / name
+    src.mkdir()
+    (src / "w").write_bytes(b"x")
+    return ray.train.Checkpoint.from_directory(str(src))
+
+
+@pytest.mark.parametrize("name, with_checkpoint, honoured, rel", [
+    ("checkpoint_epoch=3", True, True, "run/checkpoint_epoch=3"),
+    (None, True, True, "run/checkpoints/checkpoint_00000001-e0"),
+    ("checkpoint_epoch=3", False, True, None),  # no checkpoint: nothing named
+    ("a/b", True, True, "run/checkpoints/checkpoint_00000001-e0"),  # not one plain segment: ignored
+    ("checkpoints", True, True, "run/checkpoints/checkpoint_00000001-e0"),  # raylastic's own directory
+    ("checkpoint_epoch=3", True, False, "run/checkpoints/checkpoint_00000001-e0"),  # ElasticTrainer: its layout
+])
+def test_report_uploads_into_the_named_directory(tmp_path, monkeypatch, name, with_checkpoint, honoured, rel):
+    """The name reaches the session's report as an argument (no process-wide swap of how
+    checkpoint directories are named): the record, the upload and the rank's published
+    directory (``_files_rel``) all say the named directory."""
+    from raylastic import session as _session_mod
+
+    sess, adapter = _adapter_session(tmp_path, monkeypatch)
+    if honoured:
+        rtc.honour_dir_names()
+        rtc.honour_dir_names()  # idempotent
+    ray.train.report({"m": 1}, checkpoint=_dir_checkpoint(tmp_path) if with_checkpoint else None,
+                     checkpoint_dir_name=name)
+    [record] = sess.drain()
+    assert record.checkpoint_rel == rel
+    if rel is not None:
+        assert (tmp_path / rel / "w").read_bytes() == b"x"
+        assert rtc._files_rel(sess, sess.last_files_index) == rel
+    # a later report without a name goes to checkpoints/ again; how directories are named
+    # outside report() never changed
+    ray.train.report({"m": 2}, checkpoint=_dir_checkpoint(tmp_path, "src2"))
+    [record] = sess.drain()
+    assert record.checkpoint_rel == "run/checkpoints/checkpoint_00000002-e0"
+    assert _session_mod.checkpoint_rel("run", 7, 2) == "run/checkpoints/checkpoint_00000007-e2"
 
 
 def test_ray_snapshot_names_the_named_directory(tmp_path):
@@ -208,34 +232,15 @@ def test_the_directory_a_named_report_went_to_is_what_a_rank_waits_on(tmp_path, 
     files in the directory its report named (here committed by a thread 0.3 s later)."""
     import threading
     import time
-    from types import SimpleNamespace
-
-    from ray.train.v2._internal.execution import train_fn_utils
 
     from raylastic import session as _session_mod
-    from raylastic._internal import ray_train_compat
-    from tests.unit.test_ray_train_trainer import _session
 
-    sess = _session(tmp_path)
-    sess.uploader = None  # the upload is replayed by hand below
-    adapter = ray_train_compat.RayTrainAdapter(sess)
-    monkeypatch.setattr(train_fn_utils, "_train_fn_utils", SimpleNamespace(report=lambda *a, **k: None))
-    monkeypatch.setattr(rtc, "_named_rels", {})  # (this process's record of named directories: left empty)
+    sess, adapter = _adapter_session(tmp_path, monkeypatch)
     rtc.honour_dir_names()
-    record = sess._next_record({"loss": 1.0})
-    rtc._named.name = "final"
-    try:  # what session._persist does inside a named report
-        rel = _session_mod.checkpoint_rel("run", record.index, 0)
-    finally:
-        rtc._named.name = None
-    assert rel == "run/final" and rtc._files_rel(sess, record.index) == "run/final"
+    adapter.report({"loss": 1.0}, _dir_checkpoint(tmp_path), checkpoint_dir_name="final")
+    [record] = sess.drain()
+    assert record.checkpoint_rel == "run/final" and rtc._files_rel(sess, record.index) == "run/final"
     assert rtc._files_rel(sess, record.index + 1) == "run/checkpoints/checkpoint_%08d-e0" % (record.index + 1)
-    sess.last_files_index = record.index
-    adapter._progress.after_report(sess)
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "w").write_bytes(b"x")
-    record.checkpoint_rel, record.files = rel, sess.storage.upload_dir(str(src), rel)
     mgr = CheckpointManager(sess.storage, "run", None, EventLog(sess.storage, "run", verbose=False))
     mgr.begin_epoch(0, 1)
     threading.Timer(0.3, mgr.on_records, args=([record],)).start()

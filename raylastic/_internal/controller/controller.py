@@ -298,6 +298,9 @@ class Controller(CapacitySteps, FailureSteps):
             failed = {st.members[f.rank].wid for f in failures}
             dead = self._group.wait_for_dead_peer([m for m in st.members if m.wid not in failed],
                                                   ERROR_CLASSIFY_GRACE_S)
+            if not dead:  # a real error: the others' reports made before it still count
+                batch = self._collect_last_reports(st, failures)
+                return self._on_failure(st, batch, failures)
             return self._on_failure(st, PollBatch(lost=[m for m in st.members if m.wid in dead], causes=dead),
                                     failures)
         if len(st.progress.finished) == len(st.members):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List
 from raylastic._internal.controller.states import Errored, Resizing, Running, State
 from raylastic._internal.worker_group.group import PollBatch
 from raylastic._internal.worker_group.pool import WorkerHandle
-from raylastic._internal.worker_group.results import cause_text
+from raylastic._internal.worker_group.results import cause_text, rank_errors
 from raylastic.errors import RankFailure, TrainingAborted, TrainingFailedError
 from raylastic.events import EventKind, LossCause
 from raylastic.policies.base import Raise
@@ -20,10 +20,21 @@ from raylastic.policies.failure import FailureCounts, FailureKind, FailurePolicy
 
 if TYPE_CHECKING:
     from raylastic._internal.controller.hooks import RunHooks
+    from raylastic._internal.controller.ingest import ReportIngest
     from raylastic._internal.controller.memory_restore import MemoryRestore
     from raylastic._internal.worker_group.group import WorkerGroup
     from raylastic._internal.worker_group.results import PollResult
+    from raylastic.checkpoint.manager import CheckpointManager
+    from raylastic.config import RunConfig
     from raylastic.events import EventLog
+
+# After a rank raised (no peer lost), how long at most to go on collecting the group's
+# reports before ending the attempt, while a report index up to the failed ranks' last
+# one is still incomplete (some ranks' records in, not all): typically a slower rank's
+# checkpoint whose upload was still running when the error arrived. In Ray Train every
+# report() is a collective that returns once its checkpoint is registered, so a rank
+# that raises right after a report never loses its peers' checkpoint of that report.
+LAST_REPORTS_GRACE_S = 5.0
 
 
 class FailureSteps:
@@ -37,6 +48,9 @@ class FailureSteps:
     _counts: FailureCounts
     _stop_requested: threading.Event
     _hooks: RunHooks
+    _ingest: ReportIngest
+    _ckpt: CheckpointManager
+    _run: RunConfig
 
     if TYPE_CHECKING:
 
@@ -49,6 +63,26 @@ class FailureSteps:
         self._memory.mark_unusable(st.memory_index, st.epoch, failures[0].message.split(": ", 1)[-1].splitlines()[0])
         return Resizing(epoch=st.epoch, members=st.members, reason="in-memory snapshot unusable",
                         graceful=False, started_at=time.monotonic(), progress=st.progress)
+
+    def _collect_last_reports(self, st: Running, failures: List[RankFailure]) -> PollBatch:
+        """Ranks raised and no peer is lost: before the attempt ends, keep polling the group
+        (at most ``LAST_REPORTS_GRACE_S``) while a report index up to the failed ranks' last
+        one is incomplete, so that the reports the others made before the error (a
+        checkpoint still uploading on a slower rank) reach the checkpoint manager and
+        commit. Ranks that raise meanwhile join ``failures``. Returns the poll that found a
+        member lost (the caller handles it as a loss), else an empty batch."""
+        failed = {f.rank for f in failures}
+        last = min((st.progress.last_index.get(m.wid, 0) for m in st.members if m.prev_rank in failed), default=0)
+        deadline = time.monotonic() + LAST_REPORTS_GRACE_S
+        while self._ckpt.incomplete_through(last) and time.monotonic() < deadline:
+            time.sleep(self._run.poll_interval_s)
+            batch = self._group.poll(st.members)
+            self._ingest.ingest(st.progress, st.members, batch.results)
+            failures += [f for f in rank_errors(st.members, batch.results, st.epoch) if f.rank not in failed]
+            failed |= {f.rank for f in failures}
+            if batch.lost:
+                return batch
+        return PollBatch()
 
     def _on_failure(self, st: Any, batch: PollBatch, failures: List[RankFailure]) -> State:
         """Workers were lost and/or ranks raised (``st``: Running, or Resizing during a
