@@ -156,7 +156,8 @@ def lose_node(cluster, log: Callable[[], List[Dict[str, Any]]], marks: Dict[str,
 
 
 def elastic_or_ray_train_fit(system: str, fn: Callable[..., Any], cfg: Dict[str, Any], storage: str, name: str,
-                             checkpoint_every: int, **ray_train_cfg: Any) -> Callable[[], Any]:
+                             checkpoint_every: int, ray_train_cfg: Optional[Dict[str, Any]] = None
+                             ) -> Callable[[], Any]:
     """``fit`` of the same train function under raylastic (``ElasticTrainer``, min 2 / max
     3 workers, ``persist_every=checkpoint_every``) or Ray Train 2 (``TorchTrainer`` with
     ``num_workers=(2, 3)``, restarts without limit); the function sees ``cfg["mode"]``.
@@ -174,7 +175,7 @@ def elastic_or_ray_train_fit(system: str, fn: Callable[..., Any], cfg: Dict[str,
     from ray.train.torch import TorchTrainer
 
     return TorchTrainer(
-        fn, train_loop_config=dict(cfg, mode="ray_train", **ray_train_cfg),
+        fn, train_loop_config=dict(cfg, mode="ray_train", **(ray_train_cfg or {})),
         scaling_config=ray.train.ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1}),
         run_config=ray.train.RunConfig(name=name, storage_path=storage,
                                        failure_config=ray.train.FailureConfig(max_failures=-1),

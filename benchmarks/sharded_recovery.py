@@ -196,7 +196,7 @@ def make_fit(system: str, framework: str, cfg: Dict[str, Any], storage: str, nam
     by_value(sharded)
     fn = sharded.fsdp2_bench if framework == "fsdp2" else sharded.deepspeed_bench
     return elastic_or_ray_train_fit(system, fn, cfg, storage, name, checkpoint_every,
-                                    checkpoint_every=checkpoint_every)
+                                    ray_train_cfg={"checkpoint_every": checkpoint_every})
 
 
 def _range(vals: List[Any]) -> Any:
