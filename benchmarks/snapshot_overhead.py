@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     from torch import nn
 
     from raylastic._internal.snapshots.capture import StateCopier, nbytes
-    from raylastic._internal.snapshots.placement import plan_stripes
+    from raylastic._internal.snapshots.placement import WHOLE, plan_stripes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -75,7 +75,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
             opt.step()
             if mode != "plain":
                 buf = buffers[mode]
-                buf[step % 2], start = copiers[mode].copy(buf[step % 2], lambda _err: None, holding.get(mode))
+                buf[step % 2], start = copiers[mode].copy(buf[step % 2], lambda _err: None, holding.get(mode, WHOLE))
                 start()
             dist.barrier()  # lockstep like the next all-reduce would impose
             if block > 0:  # block 0 warms up
