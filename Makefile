@@ -2,6 +2,9 @@
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.installed
+TORCHED := .venv/.torch-installed
+DSWHEEL := .venv/.deepspeed-wheel-built
+DSSTAMP := .venv/.deepspeed-installed
 AZURITE := .cache/azurite/node_modules/.bin/azurite
 # The CPU build of torch, first: from a local wheel where the machine has one (pip's
 # find-links), else from PyTorch's CPU index (PyPI's torch is the multi-GB CUDA build). Not
@@ -10,21 +13,46 @@ AZURITE := .cache/azurite/node_modules/.bin/azurite
 TORCH := $(PIP) install -q torch==2.13.0+cpu || $(PIP) install -q torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu
 # DeepSpeed builds against the installed torch, so it is installed apart from the lock.
 DEEPSPEED := DS_BUILD_SHM_COMM=1 $(PIP) install -q --no-build-isolation --no-cache-dir deepspeed==0.19.8
+# The same build as a wheel (for $(DSWHEEL)): it needs torch (and setuptools) only.
+DEEPSPEED_WHEEL := DS_BUILD_SHM_COMM=1 $(PIP) wheel -q --no-deps --no-build-isolation --no-cache-dir \
+	-w .cache/deepspeed-wheel deepspeed==0.19.8
 
-.PHONY: demo test test-unit bench clean install lock check-configs lint
+.PHONY: demo test test-prep test-unit test-unit-split bench clean install lock check-configs lint
 
 $(PY):
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 
+# torch first (and the lock's setuptools, which DeepSpeed's build uses): DeepSpeed's wheel
+# is built from these alone while $(STAMP) installs the rest.
+$(TORCHED): $(PY)
+	$(TORCH)
+	$(PIP) install -q "$$(grep -i -E '^setuptools==' requirements.lock || echo setuptools)"
+	touch $(TORCHED)
+
 # Installs the exact versions in requirements.lock (torch 2.13.0 CPU wheel included).
 # requirements-dev.txt is the hand-edited list; `make lock` turns it into requirements.lock.
-$(STAMP): $(PY) requirements.lock pyproject.toml
+# Everything but DeepSpeed: enough for lint (mypy never imports DeepSpeed, which ships no
+# types); $(DSSTAMP) adds DeepSpeed. ($(TORCH) here is a check: $(TORCHED) installed it.)
+$(STAMP): $(PY) requirements.lock pyproject.toml | $(TORCHED)
 	$(TORCH)
 	$(PIP) install -q -r requirements.lock
-	$(DEEPSPEED)
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
+
+# DeepSpeed's wheel, its op compiled (1-2 min on one core), built beside $(STAMP)'s installs
+# under `make test`; installed once both are done. Both skipped where DeepSpeed 0.19.8 and
+# its built op are installed already (as in a .venv made before these stamps).
+DS_BUILT := .venv/lib/python3*/site-packages/deepspeed-0.19.8.dist-info \
+	.venv/lib/python3*/site-packages/deepspeed/ops/comm/deepspeed_shm_comm_op*.so
+$(DSWHEEL): $(TORCHED)
+	rm -rf .cache/deepspeed-wheel
+	ls -d $(DS_BUILT) >/dev/null 2>&1 || $(DEEPSPEED_WHEEL)
+	touch $(DSWHEEL)
+
+$(DSSTAMP): $(STAMP) $(DSWHEEL)
+	ls -d $(DS_BUILT) >/dev/null 2>&1 || $(PIP) install -q .cache/deepspeed-wheel/deepspeed-0.19.8-*.whl
+	touch $(DSSTAMP)
 
 # Regenerate requirements.lock after editing requirements-dev.txt: installs the list (with
 # upgrades) and DeepSpeed into .venv, then pins everything there except DeepSpeed and the
@@ -52,18 +80,47 @@ $(AZURITE):
 	mkdir -p .cache/azurite
 	cd .cache/azurite && npm install --no-audit --no-fund --silent azurite@3.35.0
 
-install: $(STAMP) $(AZURITE)
+install: $(DSSTAMP) $(AZURITE)
 
-demo: $(STAMP)
+demo: $(DSSTAMP)
 	$(PY) examples/demo.py
 
-test: $(STAMP) $(AZURITE) check-configs lint
-	$(PY) -m pytest -q -ra --durations=15 tests
+# `make test` runs what does not depend on each other side by side (make -j4 on test-prep):
+# Azurite's npm install beside the pip installs, DeepSpeed's build beside the lock's install
+# and lint, the unit tests (no Ray; two pytest processes, see test-unit-split) beside
+# check-configs. The integration tests run last and alone: one Ray cluster at a time, and no
+# other work on the cores while their timing-bounded checks run.
+# A unit test failing does not keep the integration tests from running (as when one pytest
+# ran both): `make test` fails at the end.
+test:
+	@rm -f .cache/unit-failed
+	@$(MAKE) --no-print-directory -j4 test-prep UNIT_DEFER=1
+	$(PY) -m pytest -q -ra --durations=15 --ignore=tests/unit tests; rc=$$?; \
+	if [ -e .cache/unit-failed ]; then echo "tests/unit FAILED: see its output above"; exit 1; fi; exit $$rc
 
-test-unit: $(STAMP)
+test-prep: $(DSSTAMP) $(AZURITE) check-configs lint test-unit-split
+
+test-unit: $(DSSTAMP)
 	$(PY) -m pytest -q tests/unit
 
-bench: $(STAMP) $(AZURITE)
+# tests/unit in two pytest processes at once (one per core): the files that take longest
+# (spawned gloo ranks, fresh interpreters) in one, every other file in the other. Each
+# process's output is shown once both are done; either failing fails the target (under
+# `make test`, UNIT_DEFER=1: fails `make test` after the integration tests instead).
+# Measured serially: these 5 files ~60 s, the other ~55 files ~55 s.
+UNIT_SLOW := $(addprefix tests/unit/,test_sharded_deepspeed.py test_sharded_core.py \
+	test_import_cycles.py test_fuzz_readers.py test_data_ddp.py)
+UNIT_REST := $(filter-out $(UNIT_SLOW),$(wildcard tests/unit/test_*.py))
+test-unit-split: $(DSSTAMP)
+	@mkdir -p .cache
+	@$(PY) -m pytest -q -ra --durations=8 -p no:cacheprovider $(UNIT_SLOW) >.cache/unit-slow.log 2>&1 & \
+	slow=$$!; $(PY) -m pytest -q -ra --durations=8 $(UNIT_REST) >.cache/unit-rest.log 2>&1; rest=$$?; \
+	wait $$slow; slow=$$?; \
+	echo "== tests/unit, slowest files: $(UNIT_SLOW)"; cat .cache/unit-slow.log; \
+	echo "== tests/unit, every other file"; cat .cache/unit-rest.log; \
+	test $$slow -eq 0 && test $$rest -eq 0 || { touch .cache/unit-failed; test -n "$(UNIT_DEFER)"; }
+
+bench: $(DSSTAMP) $(AZURITE)
 	$(PY) benchmarks/recovery.py --hidden 1536 --layers 5
 	$(PY) benchmarks/steady_state.py
 	$(PY) benchmarks/snapshot_overhead.py

@@ -534,33 +534,60 @@ def test_storage_stopped_while_a_group_re_forms(clusters, servers, tmp_path, mon
 
 # ------------------------------------------------------------------------------ 3. fresh cluster
 
-@pytest.mark.parametrize("backend", ["s3", "azure", "gcs"])
-def test_resume_on_a_fresh_cluster(clusters, servers, tmp_path, backend):
-    prefix = f"e2e-{uuid.uuid4().hex[:8]}"
-    uri = {"s3": servers.s3.uri(prefix), "azure": f"abfs://{CONTAINER}/{prefix}",
-           "gcs": servers.gcs.uri(prefix)}[backend]
-    run = f"fresh-{backend}"
-    storage = Storage(uri)
+BACKENDS = ["s3", "azure", "gcs"]
 
-    def fit(total: int, log_dir: str):
+
+@pytest.fixture(scope="module")
+def fresh_cluster_runs(clusters, servers, tmp_path_factory):
+    """For each backend, a run of 7 steps on the module's cluster, then (the three runs done)
+    one brand-new cluster, and a second fit() of each run to 12 steps on it: one cluster
+    restart serves the three backends. Each run's outcome, or the error that ended it, goes to
+    its backend's test."""
+    runs = {}
+    for backend in BACKENDS:
+        prefix = f"e2e-{uuid.uuid4().hex[:8]}"
+        uri = {"s3": servers.s3.uri(prefix), "azure": f"abfs://{CONTAINER}/{prefix}",
+               "gcs": servers.gcs.uri(prefix)}[backend]
+        runs[backend] = SimpleNamespace(uri=uri, run=f"fresh-{backend}", storage=Storage(uri),
+                                        tmp=tmp_path_factory.mktemp(f"fresh-{backend}"), error=None)
+
+    def fit(r: SimpleNamespace, total: int, log_dir: str):
         os.makedirs(log_dir)
         cfg = {"total_steps": total, "checkpoint_every": 3, "log_dir": log_dir}
-        return _trainer(cfg, _run_config(run, uri)).fit()
+        return _trainer(cfg, _run_config(r.run, r.uri)).fit()
 
     first_cluster = clusters.get()
-    first = fit(7, str(tmp_path / "log1"))
-    assert first.metrics["step"] == 7 and first.path == f"{storage.uri}/{run}"
     first_address = first_cluster.address
-
+    for r in runs.values():
+        try:
+            r.first = fit(r, 7, str(r.tmp / "log1"))
+        except Exception as exc:  # noqa: BLE001 - raised again in this backend's test
+            r.error = exc
     second_cluster = clusters.fresh()
-    assert second_cluster.address != first_address and ray.is_initialized()
-    second = fit(12, str(tmp_path / "log2"))
+    for r in runs.values():
+        r.first_address, r.second_address = first_address, second_cluster.address
+        if r.error is None:
+            try:
+                r.second = fit(r, 12, str(r.tmp / "log2"))
+            except Exception as exc:  # noqa: BLE001
+                r.error = exc
+    return runs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_on_a_fresh_cluster(fresh_cluster_runs, backend):
+    r = fresh_cluster_runs[backend]
+    if r.error is not None:
+        raise r.error
+    storage, run, first, second = r.storage, r.run, r.first, r.second
+    assert first.metrics["step"] == 7 and first.path == f"{storage.uri}/{run}"
+    assert r.second_address != r.first_address and ray.is_initialized()
 
     # the second fit() numbers its groups after the first's (one group: epoch 1), so its
     # first group is epoch 2: checkpoint directory names are never reused
-    restored = _log(str(tmp_path / "log2"), "restored", epoch=2)
-    assert sorted(r["rank"] for r in restored) == [0, 1]
-    assert all(r["step"] == 7 and r["problems"] == [] for r in restored), restored
+    restored = _log(str(r.tmp / "log2"), "restored", epoch=2)
+    assert sorted(x["rank"] for x in restored) == [0, 1]
+    assert all(x["step"] == 7 and x["problems"] == [] for x in restored), restored
     events = _events(storage, run)
     starts = _kind(events, "run_started")
     assert [s["resume_from"] for s in starts] == [None, 7]
