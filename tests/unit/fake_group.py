@@ -33,6 +33,7 @@ class FakeWorker:
     index: int = 0
     stop_at: Optional[int] = None
     raise_at: Optional[int] = None
+    raise_message: str = ""  # what it raises at raise_at (default: a ValueError)
     stalled: bool = False  # reports nothing (a slow step that never ends)
     dead: bool = False
     crashed: bool = False  # died on a live node (a real failure), not a node loss
@@ -54,6 +55,7 @@ class FakeGroup:
         self.workers: Dict[int, FakeWorker] = {}
         self._new: List[WorkerHandle] = []
         self._next_wid = 0
+        self.dead_peer_graces: List[float] = []  # how long the controller would look for a dead peer
         self.draining: Dict[str, int] = {}
         self.last_ready_at: Optional[float] = None
         self.targets: Dict[Optional[str], int] = {}
@@ -170,7 +172,8 @@ class FakeGroup:
             if w.stop_at is not None and w.index >= w.stop_at:
                 w.status = WorkerStatus.STOPPED
             elif w.raise_at is not None and w.index + 1 == w.raise_at:
-                w.status, error = WorkerStatus.ERROR, f"ValueError: rank {w.rank} failed at {w.raise_at}"
+                w.status, error = WorkerStatus.ERROR, (w.raise_message
+                                                       or f"ValueError: rank {w.rank} failed at {w.raise_at}")
                 w.raise_at = None
             else:
                 w.index += 1
@@ -196,6 +199,7 @@ class FakeGroup:
         return rec
 
     def wait_for_dead_peer(self, others: Sequence[WorkerHandle], grace_s: float):
+        self.dead_peer_graces.append(grace_s)
         return {m.wid: None for m in others if self.workers.get(m.wid) is None or self.worker(m).dead}
 
     def is_crash(self, m: WorkerHandle, cause) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+
+import pytest
 from typing import Callable, List
 
 
@@ -304,3 +306,21 @@ def test_the_wait_for_the_last_reports_after_an_error_is_bounded(tmp_path, monke
     assert _tick_until(ctrl, lambda st: isinstance(st, Errored)) == ["Running", "Errored"]
     assert time.monotonic() - start < 5
     assert ctrl._ckpt.latest() is None or ctrl._ckpt.latest().index < n
+
+
+@pytest.mark.parametrize("message, grace", [
+    ("ValueError: bad batch", 1.0),  # a lost peer does not raise this: the error surfaces at once
+    ("RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer", 5.0),
+    ("DistBackendError: NCCL communicator was aborted", 5.0),
+])
+def test_a_plain_error_is_not_held_for_the_full_dead_peer_grace(tmp_path, message, grace):
+    from raylastic._internal.controller.controller import ERROR_CLASSIFY_GRACE_S, PLAIN_ERROR_GRACE_S
+
+    assert (PLAIN_ERROR_GRACE_S, ERROR_CLASSIFY_GRACE_S) == (1.0, 5.0)
+    ctrl, group = _controller(tmp_path, min_w=2, max_w=2)
+    a, b = _start(ctrl, group, ["na", "nb"])
+    group.worker(b).raise_at, group.worker(b).raise_message = group.worker(b).index + 2, message
+    assert _tick_until(ctrl, lambda st: isinstance(st, Errored))[-1] == "Errored"
+    assert group.dead_peer_graces == [grace]
+    assert message.partition(":")[2].strip() in str(ctrl._state.error)
+

@@ -40,7 +40,7 @@ from raylastic._internal.worker_group.group import (
     ABORT_JOIN_MIN_S, GroupFormationError, Interrupted, MembersLost, PollBatch, WorkerGroup,
 )
 from raylastic._internal.worker_group.pool import WorkerHandle
-from raylastic._internal.worker_group.results import PollResult, WorkerStatus, rank_errors
+from raylastic._internal.worker_group.results import PollResult, WorkerStatus, maybe_collateral, rank_errors
 from raylastic.checkpoint.manager import CheckpointManager
 from raylastic.checkpoint.storage import StorageError
 from raylastic.config import RunConfig, ScalingConfig, describe, describe_run
@@ -56,8 +56,10 @@ from raylastic.policies.scaling import ElasticScalingPolicy, ScalingSnapshot
 logger = logging.getLogger("raylastic")
 
 # After a rank raises, how long to look for a dead peer before calling it a real error
-# (a rank whose peer vanished mid-collective raises a connection error first).
+# (a rank whose peer vanished mid-collective raises a connection error first); only 1 s
+# when every error is one a lost peer does not cause (``results.maybe_collateral``).
 ERROR_CLASSIFY_GRACE_S = 5.0
+PLAIN_ERROR_GRACE_S = 1.0
 # After an abort (a peer lost), a rank that is computing unwinds at its next report, within
 # about a step, and one blocked in a gloo collective at once (the abort shuts the group's
 # connections down: process_group.abort_group). One that is not back after
@@ -296,8 +298,8 @@ class Controller(CapacitySteps, FailureSteps):
             return self._memory_snapshot_unusable(st, failures)
         if failures:
             failed = {st.members[f.rank].wid for f in failures}
-            dead = self._group.wait_for_dead_peer([m for m in st.members if m.wid not in failed],
-                                                  ERROR_CLASSIFY_GRACE_S)
+            grace = ERROR_CLASSIFY_GRACE_S if any(map(maybe_collateral, failures)) else PLAIN_ERROR_GRACE_S
+            dead = self._group.wait_for_dead_peer([m for m in st.members if m.wid not in failed], grace)
             if not dead:  # a real error: the others' reports made before it still count
                 batch = self._collect_last_reports(st, failures)
                 return self._on_failure(st, batch, failures)

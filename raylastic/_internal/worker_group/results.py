@@ -33,3 +33,26 @@ def cause_text(cause: Optional[BaseException]) -> str:
         return "worker stopped answering"
     text = str(cause).strip().splitlines()
     return text[0] if text else type(cause).__name__
+
+
+# What a rank raises when a peer vanished under it (a collective, the TCP store, a peer
+# copy): torch.distributed's errors, socket errors, timeouts, by the type name the worker
+# reports, or any message naming the transport.
+COLLATERAL_TYPES = frozenset({
+    "DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "DistQueueEmptyError",
+    "ConnectionError", "ConnectionResetError", "ConnectionAbortedError", "ConnectionRefusedError",
+    "BrokenPipeError", "TimeoutError", "OSError", "JoinCancelled", "RayActorError", "ActorDiedError",
+    "ActorUnavailableError",
+})
+COLLATERAL_WORDS = ("gloo", "nccl", "connection", "peer", "socket", "broken pipe", "timed out", "timeout",
+                    "store", "process group", "collective", "abort", "actor")
+
+
+def maybe_collateral(f: RankFailure) -> bool:
+    """Could this error come from a peer that vanished (so the controller should look for
+    a dead peer before calling it a real error)? False for a plain error of the train
+    function, e.g. ``ValueError: bad batch``: a lost peer does not raise those, so the
+    run need not wait the full classification grace to fail with it."""
+    name = f.message.partition(":")[0].strip().rsplit(".", 1)[-1]
+    return name in COLLATERAL_TYPES or any(w in f.message.lower() for w in COLLATERAL_WORDS)
+
