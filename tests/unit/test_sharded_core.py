@@ -74,6 +74,25 @@ def test_pieces_that_do_not_cover_a_new_piece_are_refused():
         check_fits([c for c, _ in pieces], [c for c, _ in targets])
 
 
+def test_a_rank_without_a_piece_of_some_tensor_restores_from_files_checked_against_the_group():
+    """ZeRO-3 at 2 ranks gives rank 1 no piece of a 1-element bias: its own targets lack
+    the key the checkpoint has. Checked against the whole group's pieces (what the
+    storage restore gathers) it loads; checked against its own alone it was refused
+    ("unexpected ..."), which failed a 51.6M ZeRO-3 run resumed from storage at 3 -> 2."""
+    w, b = torch.arange(12, dtype=torch.float32), torch.tensor([5.0])
+    files = {s: {"chunks": [c.as_tuple() for c, _ in ws] + [c.as_tuple() for c, _ in bs],
+                 "tensors": [t for _, t in ws] + [t for _, t in bs]}
+             for s, (ws, bs) in enumerate(zip(([p] for p in _split("w", w, 3)), ([p] for p in _split("b", b, 3))))}
+    group = _split("w", torch.zeros(12), 2) + [_split("b", torch.zeros(1), 2)[0]]  # rank 1: no piece of b
+    rank1 = [_split("w", torch.zeros(12), 2)[1]]
+    with pytest.raises(ValueError, match="unexpected"):
+        fill_from_files(rank1, files)
+    fill_from_files(rank1, files, everyone=[c for c, _ in group])
+    assert torch.equal(rank1[0][1], w[6:])
+    with pytest.raises(ValueError, match="missing"):  # a tensor the checkpoint lacks is still refused
+        fill_from_files(rank1, files, everyone=[c for c, _ in group] + [Chunk("c", (1,), (0,), (1,), "torch.float32")])
+
+
 # -- FSDP2 over gloo ---------------------------------------------------------------------------
 G = 48
 

@@ -86,11 +86,16 @@ def reshard_from_memory(group: Any, targets: Sequence[Piece], layout: Optional[M
     return ref["plain"]
 
 
-def fill_from_files(targets: Sequence[Piece], shard_files: Mapping[int, Any]) -> None:
+def fill_from_files(targets: Sequence[Piece], shard_files: Mapping[int, Any],
+                    everyone: Optional[Sequence[Chunk]] = None) -> None:
     """Storage restore: ``shard_files`` old rank -> its loaded file ({"chunks", "tensors"},
-    memory-mapped); raises ValueError when they do not fit."""
+    memory-mapped); raises ValueError when they do not fit. ``everyone``: the pieces of
+    every rank of the new group (default: ``targets``'): the saved state must fit the
+    group, not this rank, which may hold no piece of some tensor (ZeRO-3 gives a rank
+    none of a parameter smaller than the partition offset it starts at)."""
     old = {s: [Chunk.of(t) for t in f["chunks"]] for s, f in shard_files.items()}
-    check_fits([c for cs in old.values() for c in cs], [c for c, _t in targets])
+    check_fits([c for cs in old.values() for c in cs],
+               list(everyone) if everyone is not None else [c for c, _t in targets])
     counts = [0] * len(targets)
     seen = set()
     for s in sorted(old):

@@ -115,8 +115,16 @@ class ShardedState(CopyWaiter):
         if ROOT not in plain:
             raise ValueError("the checkpoint holds replicated (DDP) state; this model is sharded")
         layout = {int(s): cs for s, cs in plain[ROOT]["layout"].items()}
+        targets = self.adapter.restore_targets()
+        everyone = [c for c, _t in targets]
+        if dist.is_initialized() and self.world > 1:
+            # Every rank restores from the same checkpoint here (collective): the saved
+            # state is checked against the whole group's pieces, before any file is read.
+            gathered: List[Any] = [None] * self.world
+            dist.all_gather_object(gathered, [c.as_tuple() for c in everyone])
+            everyone = [Chunk.of(t) for cs in gathered for t in cs]
         files = read_shards(directory, layout, blob.get("tensors", {}).get(ROOT))
-        fill_from_files(self.adapter.restore_targets(), files)
+        fill_from_files(targets, files, everyone)
         self.adapter.finish_restore(plain[ROOT]["adapter"])
 
     # -- commit ------------------------------------------------------------------------------
