@@ -10,6 +10,7 @@ questions for the controller (which snapshots are complete here, which are strip
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -114,12 +115,22 @@ class SnapshotStore:
             if self.run == run:
                 self._snaps = [s for s in self._snaps if s.index <= index]
 
-    def wait_pending(self, timeout_s: float = 30.0) -> None:
-        """Let in-flight tensor copies finish (a stopping worker's last snapshot)."""
+    def wait_pending(self, timeout_s: float = 30.0, own_only: bool = False) -> None:
+        """Let in-flight tensor copies finish (a stopping worker's last snapshot).
+
+        ``own_only`` (the attempt was aborted: a peer vanished): wait only for the copies
+        out of the live state, which the next attempt writes, not for a sharded
+        snapshot's peer copy, which runs from host buffers in its own thread. That copy
+        may be blocked on the vanished peer until the side group's timeout, and waiting
+        for it kept a survivor past the abort window: it was replaced and its snapshot
+        lost (a 51.6M ZeRO-3 run then fell back to storage)."""
         with self._lock:
             snaps = list(self._snaps)
+        deadline = time.monotonic() + timeout_s
         for snap in snaps:
-            snap.done.wait(timeout_s)
+            while not (snap.done.is_set() or (own_only and snap.complete.is_set())):
+                if time.monotonic() >= deadline or snap.done.wait(0.005):
+                    break
 
     def nbytes(self) -> int:
         with self._lock:

@@ -169,7 +169,7 @@ class TrainWorker:
                 status = WorkerStatus.STOPPED  # a peer vanished mid-collective: expected
             else:
                 status, error, tb = WorkerStatus.ERROR, f"{type(e).__name__}: {e}", traceback.format_exc()
-        STORE.wait_pending()  # the last snapshot's tensor copy belongs to this attempt
+        STORE.wait_pending(own_only=sess.aborted)  # the last snapshot's tensor copy belongs to this attempt
         with self._lock:
             if self._session is sess:
                 self._status, self._error, self._traceback = status, error, tb
