@@ -7,7 +7,6 @@ and ``RayTrainReportCallback`` under ``raylastic.TorchTrainer`` (routed to rayla
 ``prepare_trainer``), bound at this module's import: the train function is unpickled in the
 worker with that name already bound. The reference run calls raylastic's directly."""
 
-import glob
 import json
 import os
 
@@ -17,9 +16,12 @@ import torch
 
 import raylastic
 from raylastic import ElasticTrainer, RunConfig, ScalingConfig
-from raylastic.data import global_batch_indices, shard_for_rank
+from raylastic.data import global_batch_indices
 from raylastic.events import EventKind
+from raylastic.testing.chaos_checks import weight_difference
 from raylastic.testing.faults import FitThread, RunWatcher, kill_node_at
+
+from integration.trainer_rows import effective_rows
 
 pytest.importorskip("transformers")
 from ray.train.huggingface.transformers import RayTrainReportCallback  # noqa: E402
@@ -113,30 +115,6 @@ def _cfg(tmp_path, tag, **extra):
             "output_dir": str(tmp_path / f"hf-{tag}"), **extra}
 
 
-def _effective_rows(log_dir):
-    """Per step, the rows of the last membership epoch that trained it (a failed group's
-    steps after its last snapshot were rolled back and redone)."""
-    rows = [json.loads(line) for f in glob.glob(os.path.join(log_dir, "*.jsonl")) for line in open(f)]
-    last = {}
-    for r in rows:
-        last[r["step"]] = max(last.get(r["step"], -1), r["m_epoch"])
-    effective = [r for r in rows if r["m_epoch"] == last[r["step"]]]
-    # A rank whose node died right after the step's all-reduce (the survivors committed the
-    # step) never wrote its line: for the last step of a membership epoch only, fill in that
-    # rank's slice of the global batch from the data plan.
-    last_of_group = {}
-    for r in effective:
-        last_of_group[r["m_epoch"]] = max(last_of_group.get(r["m_epoch"], -1), r["step"])
-    for m_epoch, step in last_of_group.items():
-        group = [r for r in effective if (r["m_epoch"], r["step"]) == (m_epoch, step)]
-        world = group[0]["world"]
-        batch = global_batch_indices(N, SEED, step // SPE, step % SPE, G, True)
-        for missing in sorted(set(range(world)) - {r["rank"] for r in group}):
-            effective.append({**group[0], "rank": missing, "indices": shard_for_rank(batch, missing, world),
-                              "filled": True})
-    return effective, rows
-
-
 def test_hf_trainer_resizes_in_place_exactly_once_and_same_weights(local_cluster, restore_nodes, run_dir, tmp_path):
     train_func = _make_train_func()
     ref_cfg = _cfg(tmp_path, "ref", ga=1, via_ray=False)  # ga is recomputed: 12 / (2 * 2) = 3
@@ -173,7 +151,7 @@ def test_hf_trainer_resizes_in_place_exactly_once_and_same_weights(local_cluster
     replaced = [e for e in w.events(EventKind.WORKER_LOST) if "did not stop in time" in e.get("message", "")]
     assert restores and all(e["source"] == "memory" for e in restores), restores
     assert replaced or len(restores) == len(sizes) - 1, restores
-    effective, raw = _effective_rows(cfg["index_log_dir"])
+    effective, raw = effective_rows(cfg["index_log_dir"], N, SEED, G)
     later = [r for r in raw if r["m_epoch"] > 1]
     assert later and {r["restored_from"] for r in later} <= ({"memory", "none"} if replaced else {"memory"})
     assert {r["restored_from"] for r in raw if r["m_epoch"] == 1} == {"none"}
@@ -192,6 +170,6 @@ def test_hf_trainer_resizes_in_place_exactly_once_and_same_weights(local_cluster
 
     a = torch.load(ref_cfg["weights_out"], weights_only=True)
     b = torch.load(cfg["weights_out"], weights_only=True)
-    rels = {k: ((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a}
-    print(f"max relative weight difference elastic vs fixed: {max(rels.values()):.2e}")
-    assert max(rels.values()) <= 1e-5, rels
+    diff = weight_difference(a, b)
+    print(f"max relative weight difference elastic vs fixed: {diff:.2e}")
+    assert diff <= 1e-5, diff

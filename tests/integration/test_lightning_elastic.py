@@ -3,7 +3,6 @@ lost (-> 2), a node added back (-> 3). Every sample is trained exactly once per 
 recovery comes from peer memory, Lightning's step counter lines up with ``max_steps``, and
 the final weights equal a fixed 2-worker run's."""
 
-import glob
 import json
 import os
 
@@ -13,9 +12,12 @@ import torch
 
 import raylastic
 from raylastic import ElasticTrainer, RunConfig, ScalingConfig
-from raylastic.data import global_batch_indices, shard_for_rank
+from raylastic.data import global_batch_indices
 from raylastic.events import EventKind
+from raylastic.testing.chaos_checks import weight_difference
 from raylastic.testing.faults import FitThread, RunWatcher, kill_node_at
+
+from integration.trainer_rows import effective_rows
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.timeout(300)
@@ -122,30 +124,6 @@ def _cfg(tmp_path, tag, **extra):
     return {"index_log_dir": str(log_dir), "weights_out": str(tmp_path / f"w-{tag}.pt"), **extra}
 
 
-def _effective_rows(log_dir):
-    """Per step, the rows of the last membership epoch that trained it (steps after the
-    last snapshot of a failed group were rolled back and trained again)."""
-    rows = [json.loads(line) for f in glob.glob(os.path.join(log_dir, "*.jsonl")) for line in open(f)]
-    last = {}
-    for r in rows:
-        last[r["step"]] = max(last.get(r["step"], -1), r["m_epoch"])
-    effective = [r for r in rows if r["m_epoch"] == last[r["step"]]]
-    # A rank whose node died right after the step's all-reduce (the survivors committed the
-    # step) never wrote its line: for the last step of a membership epoch only, fill in that
-    # rank's slice of the global batch from the data plan.
-    last_of_group = {}
-    for r in effective:
-        last_of_group[r["m_epoch"]] = max(last_of_group.get(r["m_epoch"], -1), r["step"])
-    for m_epoch, step in last_of_group.items():
-        group = [r for r in effective if (r["m_epoch"], r["step"]) == (m_epoch, step)]
-        world = group[0]["world"]
-        batch = global_batch_indices(N, SEED, step // SPE, step % SPE, G, True)
-        for missing in sorted(set(range(world)) - {r["rank"] for r in group}):
-            effective.append({**group[0], "rank": missing, "indices": shard_for_rank(batch, missing, world),
-                              "filled": True})
-    return effective, rows
-
-
 def test_lightning_trainer_resizes_in_place_exactly_once_and_same_weights(local_cluster, restore_nodes,
                                                                           run_dir, tmp_path):
     train_func = _make_train_func()
@@ -185,7 +163,7 @@ def test_lightning_trainer_resizes_in_place_exactly_once_and_same_weights(local_
     replaced = [e for e in w.events(EventKind.WORKER_LOST) if "did not stop in time" in e.get("message", "")]
     assert restores and all(e["source"] == "memory" for e in restores), restores
     assert replaced or len(restores) == len(sizes) - 1, restores
-    effective, raw = _effective_rows(cfg["index_log_dir"])
+    effective, raw = effective_rows(cfg["index_log_dir"], N, SEED, G)
     assert {(r["world"], r["ga"]) for r in raw} == {(3, 2), (2, 3)}
     assert len(raw) >= len(effective) - sum(1 for r in effective if r.get("filled"))
     for epoch in range(EPOCHS):
@@ -202,6 +180,6 @@ def test_lightning_trainer_resizes_in_place_exactly_once_and_same_weights(local_
 
     a = torch.load(ref_cfg["weights_out"], weights_only=True)
     b = torch.load(cfg["weights_out"], weights_only=True)
-    rels = {k: ((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a}
-    print(f"max relative weight difference elastic vs fixed: {max(rels.values()):.2e}")
-    assert max(rels.values()) <= 1e-5, rels
+    diff = weight_difference(a, b)
+    print(f"max relative weight difference elastic vs fixed: {diff:.2e}")
+    assert diff <= 1e-5, diff
