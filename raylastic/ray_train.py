@@ -40,7 +40,7 @@ from raylastic.checkpoint.storage import Storage
 from raylastic.config import CheckpointConfig
 from raylastic.errors import ConfigError, TrainingFailedError
 from raylastic.ray_train_config import Translation, translate
-from raylastic.session import StorageCheckpoint
+from raylastic.checkpoint.storage_checkpoint import StorageCheckpoint
 from raylastic.trainer import ElasticTrainer
 from raylastic.trainer import Result as ElasticResult
 

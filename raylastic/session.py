@@ -17,16 +17,16 @@ import collections
 import os
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional
-
-from ray.air._internal.filelock import TempFileLock
-from ray.train import Checkpoint
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional
 
 # The values a session hands the controller live with the rest of the worker <-> controller
 # protocol; imported here too, where code has always found them.
 from raylastic._internal.protocol import GroupSpec, ReportRecord, RestoreInfo  # noqa: F401
 from raylastic.checkpoint.retry import TransientStorageError
 from raylastic.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ray.train import Checkpoint
 
 
 class StopTraining(BaseException):
@@ -240,6 +240,8 @@ class Session:
     def get_checkpoint(self) -> Optional[Checkpoint]:
         if self.restore.checkpoint_rel is None:
             return self.initial_checkpoint
+        from raylastic.checkpoint.storage_checkpoint import StorageCheckpoint
+
         return StorageCheckpoint(self.storage, self.restore.checkpoint_rel)
 
     # -- called from the actor's control threads ------------------------------------
@@ -278,31 +280,6 @@ class Session:
     @property
     def aborted(self) -> bool:
         return self._abort.is_set()
-
-
-class StorageCheckpoint(Checkpoint):
-    """A committed checkpoint in the run's storage (what ``get_checkpoint()`` and
-    ``Result.checkpoint`` return). Reading it (``as_directory``, ``to_directory``)
-    downloads through ``Storage.download_dir``: every file under the storage's retry
-    policy (a blip while a restored train function loads its state is waited out, not a
-    failed attempt), and nested directories on ``gs://``, where Ray's own download finds
-    no directory markers and fails. As in Ray, processes on one node that read the same
-    checkpoint at once share one download."""
-
-    def __init__(self, storage, rel: str):
-        super().__init__(path=storage.path(rel), filesystem=storage.fs)
-        self._storage, self._rel = storage, rel
-
-    def to_directory(self, path=None) -> str:
-        local = os.path.normpath(os.path.expanduser(str(path or self._get_temporary_checkpoint_dir())))
-        os.makedirs(local, exist_ok=True)
-        try:
-            with TempFileLock(local, timeout=0):
-                self._storage.download_dir(self._rel, local)
-        except TimeoutError:  # another process here is downloading it: wait for that one
-            with TempFileLock(local, timeout=-1):
-                pass
-        return local
 
 
 def _has_files(directory: str) -> bool:
@@ -363,3 +340,14 @@ def get_dataset_shard(name: Optional[str] = None):
     (what ``ray.train.get_dataset_shard`` returns here too). Split datasets continue from
     their restored position after a resize: docs/data.md, "Ray Data input"."""
     return _get_session().get_dataset_shard(name)
+
+
+def __getattr__(name: str) -> Any:
+    # ``StorageCheckpoint`` lives in raylastic.checkpoint.storage_checkpoint: it subclasses
+    # Ray Train's Checkpoint, and importing ray.train costs a process ~0.5 s of CPU that
+    # the controller (which imports this module through the worker class) never needs.
+    if name == "StorageCheckpoint":
+        from raylastic.checkpoint.storage_checkpoint import StorageCheckpoint
+
+        return StorageCheckpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

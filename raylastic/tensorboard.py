@@ -10,8 +10,11 @@ Scalars (x axis: the report index; wall time: the report's ``ts``):
   events have been passed to :meth:`TensorBoardLogger.observe_event`
 - ``elastic/failures``: ``failure`` events so far (seen through ``observe_event``)
 
-``torch.utils.tensorboard.SummaryWriter`` is used (tensorboardX if torch's is missing),
-imported on first use; with neither installed the logger warns once and does nothing.
+Scalars are written with the ``tensorboard`` package's own event-file writer (what
+``torch.utils.tensorboard`` writes through), tensorboardX's ``SummaryWriter`` where
+``tensorboard`` is missing, imported on first use; with neither installed the logger warns
+once and does nothing. Not ``torch.utils.tensorboard`` itself: the logger runs in the
+controller, which never imports torch otherwise (tensorboardX imports it too).
 View with ``tensorboard --logdir <run>/tensorboard``. On object stores the event files are
 written to a local staging directory and uploaded on :meth:`flush` (at most every
 ``sync_interval_s`` from ``log_metrics``) and :meth:`close`.
@@ -34,13 +37,36 @@ TENSORBOARD_DIR = "tensorboard"
 
 def _default_writer_factory(logdir: str, flush_secs: int):
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
     except ImportError:
         try:
-            from tensorboardX import SummaryWriter  # type: ignore[no-redef]  # the fallback's class
+            from tensorboardX import SummaryWriter
         except ImportError:
             return None
-    return SummaryWriter(log_dir=logdir, flush_secs=flush_secs)
+        return SummaryWriter(log_dir=logdir, flush_secs=flush_secs)
+    return _ScalarWriter(EventFileWriter(logdir, flush_secs=flush_secs))
+
+
+class _ScalarWriter:
+    """``add_scalar`` / ``flush`` / ``close`` over tensorboard's ``EventFileWriter``: the
+    same event files as ``SummaryWriter``, without importing torch."""
+
+    def __init__(self, events) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        self._events, self._event, self._summary = events, Event, Summary
+
+    def add_scalar(self, tag: str, value: float, global_step: int, walltime: Optional[float] = None) -> None:
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+        self._events.add_event(self._event(summary=summary, step=int(global_step),
+                                           wall_time=time.time() if walltime is None else float(walltime)))
+
+    def flush(self) -> None:
+        self._events.flush()
+
+    def close(self) -> None:
+        self._events.close()
 
 
 class _CostMeter:
@@ -125,8 +151,8 @@ class TensorBoardLogger:
             if self._writer is None:
                 if not self._disabled:
                     logger.warning(
-                        "TensorBoard logging disabled: neither torch.utils.tensorboard nor "
-                        "tensorboardX could be imported (pip install tensorboard)")
+                        "TensorBoard logging disabled: neither tensorboard nor tensorboardX "
+                        "could be imported (pip install tensorboard)")
                 self._disabled = True
         return self._writer
 

@@ -14,13 +14,14 @@ from ray.train import Checkpoint
 
 from raylastic._internal.cluster.notices import sources_from_env
 from raylastic._internal.controller.controller import Controller
+from raylastic._internal.protocol import TrainFunc
 from raylastic._internal.cluster.shared_storage import check_shared
 from raylastic.checkpoint.lease import LEASE_FILE, RunLease
 from raylastic.checkpoint.storage import Storage
 from raylastic.config import RunConfig, ScalingConfig
 from raylastic.errors import ConfigError, RunInUseError, TrainingAborted
 from raylastic.progress import ProgressLine
-from raylastic.session import StorageCheckpoint
+from raylastic.checkpoint.storage_checkpoint import StorageCheckpoint
 
 logger = logging.getLogger("raylastic")
 
@@ -177,8 +178,10 @@ class ElasticTrainer:
     def _fit(self, storage: Storage, controller_cls, train_func: Callable, raise_on_error: bool,
              fit_ts: Optional[float] = None, *, lease: Optional[RunLease] = None,
              epoch_floor: int = 0) -> Result:
+        # Put, not passed: the controller hands the reference on and never loads the function.
+        func = TrainFunc(ray.put(train_func))
         controller = controller_cls.remote(
-            train_func, self._config, self._scaling, self._run, storage, self._name, self._name,
+            func, self._config, self._scaling, self._run, storage, self._name, self._name,
             fit_ts=fit_ts, epoch_floor=epoch_floor, hooks=self._hooks,
         )
         run_ref = controller.run.remote()

@@ -72,7 +72,7 @@ class ReportProgress:
 
         from raylastic.checkpoint import scoring
         from raylastic.checkpoint.manager import MANIFEST, committed_checkpoints
-        from raylastic.session import StorageCheckpoint
+        from raylastic.checkpoint.storage_checkpoint import StorageCheckpoint
 
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s

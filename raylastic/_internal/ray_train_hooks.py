@@ -175,7 +175,7 @@ class RayTrainHooks(RunHooks):
 
     def _checkpoint(self, rel: str) -> Any:
         from raylastic.checkpoint.storage import Storage
-        from raylastic.session import StorageCheckpoint
+        from raylastic.checkpoint.storage_checkpoint import StorageCheckpoint
 
         if self._storage is None:
             self._storage = Storage(self._storage_path)

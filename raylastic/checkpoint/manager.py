@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 
 from raylastic.checkpoint import scoring
 from raylastic.events import EventKind, EventLog
-from raylastic.session import ReportRecord
+from raylastic._internal.protocol import ReportRecord
 
 logger = logging.getLogger("raylastic")
 

@@ -471,7 +471,7 @@ def test_a_train_function_reading_its_checkpoint_waits_out_an_outage(private_sto
     call like the others, retried under the run's policy, so the restore survives a
     blip instead of failing the attempt. (fake-gcs-server: its restart serves objects
     at once; a restarting SeaweedFS answers HEAD before it serves data.)"""
-    from raylastic.session import StorageCheckpoint
+    from raylastic.checkpoint.storage_checkpoint import StorageCheckpoint
 
     storage = Storage(private_store.uri("ck"), retry=PATIENT)
     rel = checkpoint_rel("run", 5, 1)

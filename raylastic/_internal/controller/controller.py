@@ -24,8 +24,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, cast
+from typing import Any, Callable, Dict, List, Optional, Union, cast
 
+from raylastic._internal.protocol import TrainFunc
 from raylastic._internal.cluster.capacity_driver import CapacityDriver
 from raylastic._internal.controller.capacity_steps import CapacitySteps
 from raylastic._internal.controller.failure_steps import FailureSteps
@@ -74,13 +75,14 @@ class Controller(CapacitySteps, FailureSteps):
     ``scaling_policy``, ``failure_policy`` and ``group`` default to the ones the configs
     describe; tests pass their own. ``hooks``: code the front end attaches (``hooks.py``)."""
 
-    def __init__(self, train_func: Callable, train_loop_config: Optional[Dict[str, Any]],
+    def __init__(self, train_func: Union[Callable, TrainFunc], train_loop_config: Optional[Dict[str, Any]],
                  scaling: ScalingConfig, run: RunConfig, storage, run_rel: str, run_name: str, *,
                  scaling_policy: Optional[ElasticScalingPolicy] = None,
                  failure_policy: Optional[FailurePolicy] = None,
                  group: Optional[WorkerGroup] = None, fit_ts: Optional[float] = None,
                  epoch_floor: int = 0, hooks: Optional[RunHooks] = None):
-        self._train_func = train_func
+        # A TrainFunc's reference is passed on as is (each worker resolves it), never loaded here.
+        self._train_func = train_func.ref if isinstance(train_func, TrainFunc) else train_func
         self._config = train_loop_config
         self._scaling = scaling
         self._run = run

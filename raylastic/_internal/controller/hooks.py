@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from raylastic.checkpoint.manager import CommittedCheckpoint
     from raylastic._internal.worker_group.pool import WorkerHandle
     from raylastic.errors import RankFailure
-    from raylastic.session import ReportRecord
+    from raylastic._internal.protocol import ReportRecord
 
 
 class RunHooks:

@@ -25,7 +25,7 @@ from raylastic._internal.worker_group.group import Interrupted, WorkerGroup
 from raylastic._internal.worker_group.pool import WorkerHandle
 from raylastic.checkpoint.manager import CheckpointManager, CommittedCheckpoint
 from raylastic.events import EventKind, EventLog
-from raylastic.session import RestoreInfo
+from raylastic._internal.protocol import RestoreInfo
 
 logger = logging.getLogger("raylastic")
 

@@ -35,7 +35,7 @@ from raylastic._internal.worker_group.results import (
     Holdings, PersistedSnapshot, PollResult, StopAnswer,
 )
 from raylastic.config import RunConfig, ScalingConfig
-from raylastic.session import GroupSpec, RestoreInfo
+from raylastic._internal.protocol import GroupSpec, RestoreInfo
 
 logger = logging.getLogger("raylastic")
 

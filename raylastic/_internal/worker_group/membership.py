@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 
 from raylastic._internal.worker_group.pool import WorkerHandle
 from raylastic._internal.worker_group.results import PollResult
-from raylastic.session import GroupSpec
+from raylastic._internal.protocol import GroupSpec
 
 
 class Interrupted(Exception):

@@ -18,24 +18,34 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 import ray
 
 from raylastic import session as _session
-from raylastic._internal import ray_train_compat
 from raylastic._internal.cluster.drain import start_preemption_watcher
-from raylastic._internal.distributed import process_group
 from raylastic.checkpoint.uploader import AsyncUploader, checksum_tree
 from raylastic.policies.node_types import MARKET_LABEL, NODE_TYPE_LABEL, RESOURCE_PREFIX
 from raylastic.session import GroupSpec, RestoreInfo, Session, StopTraining, checkpoint_rel
-from raylastic.state import STORE
 from raylastic._internal.snapshots.placement import Holding
 from raylastic._internal.protocol import PROTOCOL_VERSION, ExportedShards, StoreAddress, WorkerInfo
-from raylastic._internal.snapshots.capture import held_leaves
 from raylastic._internal.worker_group.results import (
     Holdings, PersistedSnapshot, PollResult, StopAnswer, WorkerStatus,
 )
+
+if TYPE_CHECKING:
+    from raylastic._internal.snapshots.store import SnapshotStore
+
+# torch (and what imports it: process groups, the snapshot store) is imported by the methods
+# that run in the worker process, not with this module: the controller imports this module
+# for the actor class and never needs torch (~1 s of CPU and ~300 MB on the head node).
+
+
+def _store() -> "SnapshotStore":
+    from raylastic.state import STORE
+
+    return STORE
+
 
 # Seconds a worker waits before joining a process group (fault injection, tests only: see
 # raylastic.testing.faults.slow_joins). Read from the worker's environment.
@@ -94,12 +104,16 @@ class TrainWorker:
 
     # -- process group -------------------------------------------------------------
     def host_store(self, world_size: int, timeout_s: float) -> StoreAddress:
+        from raylastic._internal.distributed import process_group
+
         process_group.destroy_group()
         ip = ray.util.get_node_ip_address()
         port = process_group.host_store(ip, world_size, timeout_s)
         return {"addr": ip, "port": port}
 
     def setup_group(self, spec: GroupSpec) -> None:
+        from raylastic._internal.distributed import process_group
+
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("setup_group while the train function is still running")
         with self._lock:
@@ -113,6 +127,8 @@ class TrainWorker:
             self._init_group(spec)
 
     def _init_group(self, spec: GroupSpec) -> None:
+        from raylastic._internal.distributed import process_group
+
         process_group.init_group(
             epoch=spec.epoch, rank=spec.rank, world_size=spec.world_size,
             master_addr=spec.master_addr, master_port=spec.master_port, backend=spec.backend,
@@ -122,6 +138,8 @@ class TrainWorker:
         )
 
     def teardown_group(self) -> None:
+        from raylastic._internal.distributed import process_group
+
         process_group.destroy_group()
         process_group.release_store()
 
@@ -145,6 +163,10 @@ class TrainWorker:
             self._error, self._traceback, self._return_value = None, "", None
             self._epoch = spec.epoch
         _session._set_session(sess)
+        # Imported here, not with this module: the controller imports this module for the
+        # actor class, and ray.train costs a process ~0.5 s of CPU (ray.air, pandas, ray.data).
+        from raylastic._internal import ray_train_compat
+
         ray_train_compat.install(sess)
         self._thread = threading.Thread(
             target=self._run, args=(train_func, config, sess), name=f"raylastic-train-e{spec.epoch}",
@@ -169,7 +191,7 @@ class TrainWorker:
                 status = WorkerStatus.STOPPED  # a peer vanished mid-collective: expected
             else:
                 status, error, tb = WorkerStatus.ERROR, f"{type(e).__name__}: {e}", traceback.format_exc()
-        STORE.wait_pending(own_only=sess.aborted)  # the last snapshot's tensor copy belongs to this attempt
+        _store().wait_pending(own_only=sess.aborted)  # the last snapshot's tensor copy belongs to this attempt
         with self._lock:
             if self._session is sess:
                 self._status, self._error, self._traceback = status, error, tb
@@ -190,16 +212,18 @@ class TrainWorker:
     def holdings(self) -> Holdings:
         """Complete in-memory snapshots here, and which of them are striped (as poll()
         reports them, without draining reports)."""
-        return Holdings(snapshots=STORE.complete_indices(self._run_rel), stripes=STORE.stripes(self._run_rel))
+        return Holdings(snapshots=_store().complete_indices(self._run_rel), stripes=_store().stripes(self._run_rel))
 
     def export_snapshot(self, index: int) -> ExportedShards:
         """The tensors of in-memory snapshot ``index`` this worker holds (by position),
         for another worker to merge (its node is going away, or it is stuck)."""
+        from raylastic._internal.snapshots.capture import held_leaves
+
         snap = self._snapshot(index)
         return {"holding": snap.holding, "leaves": held_leaves(snap.tensors)}
 
     def _snapshot(self, index: int):
-        snap = STORE.get(self._run_rel, index)
+        snap = _store().get(self._run_rel, index)
         if snap is None:
             raise RuntimeError(f"no complete in-memory snapshot {index} here")
         return snap
@@ -207,7 +231,7 @@ class TrainWorker:
     def merge_snapshot(self, index: int, exported: ExportedShards) -> Holding:
         """Add another worker's shards of snapshot ``index`` to this worker's copy.
         Returns what it holds now (``WHOLE`` once it has all of it)."""
-        return STORE.merge(self._run_rel, index, exported["holding"], exported["leaves"])
+        return _store().merge(self._run_rel, index, exported["holding"], exported["leaves"])
 
     def _finish_uploads(self, sess: Session) -> None:
         """Training ended: the last checkpoint must reach storage before we say so."""
@@ -244,6 +268,8 @@ class TrainWorker:
         if sess is None or (epoch is not None and sess.spec.epoch != epoch):
             return 0
         sess.abort()
+        from raylastic._internal.distributed import process_group
+
         return process_group.abort_group(sess.spec.epoch)
 
     def train_stack(self, limit: int = 6) -> str:
