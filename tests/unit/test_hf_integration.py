@@ -202,8 +202,11 @@ def test_ray_prepare_trainer_routes_to_raylastic_in_a_session(tmp_path):
 
 def test_a_name_bound_before_any_attempt_is_routed_too():
     """A train function unpickled in a worker binds Ray's ``prepare_trainer`` as the worker
-    first imports it; raylastic's worker module is imported before (a fresh interpreter)."""
-    code = ("import raylastic._internal.ray_train_compat\n"
+    first imports it; the worker actor was created before (a fresh interpreter)."""
+    code = ("import tempfile\n"
+            "from raylastic.checkpoint.storage import Storage\n"
+            "from raylastic._internal.worker_group.worker import TrainWorker\n"
+            "TrainWorker(Storage(tempfile.mkdtemp()), 'run', 'run')\n"  # as a worker actor is created
             "from ray.train.huggingface.transformers import prepare_trainer\n"
             "import ray.train.huggingface.transformers._transformers_utils as u\n"
             "assert prepare_trainer is u.prepare_trainer and hasattr(prepare_trainer, '__wrapped__')\n")

@@ -272,13 +272,16 @@ def test_refusals_name_the_field(group):
 
 
 def test_ray_lightning_prepare_trainer_is_routed_to_raylastic():
-    """Ray's ``ray.train.lightning.prepare_trainer``, bound at import in a worker (raylastic's
-    compat module is imported first), becomes Ray's followed by raylastic's inside a
+    """Ray's ``ray.train.lightning.prepare_trainer``, bound at import in a worker (the worker
+    actor was created first), becomes Ray's followed by raylastic's inside a
     session, and stays Ray's alone outside one (a fresh interpreter)."""
     import subprocess
     import sys
 
-    code = ("import raylastic._internal.ray_train_compat\n"
+    code = ("import tempfile\n"
+            "from raylastic.checkpoint.storage import Storage\n"
+            "from raylastic._internal.worker_group.worker import TrainWorker\n"
+            "TrainWorker(Storage(tempfile.mkdtemp()), 'run', 'run')\n"  # as a worker actor is created
             "from ray.train.lightning import prepare_trainer\n"
             "import ray.train.lightning._lightning_utils as u\n"
             "assert prepare_trainer is u.prepare_trainer and hasattr(prepare_trainer, '__wrapped__')\n"

@@ -59,6 +59,10 @@ class TrainWorker:
                  persist_every: Optional[int] = None):
         import torch  # noqa: F401 - pay the import once per process, not per attempt
 
+        from raylastic._internal.ray_train_routes import route_on_import
+
+        route_on_import()  # before any train function is unpickled here (see ray_train_routes)
+
         self._storage = storage
         self._uploader = AsyncUploader(storage)
         self._async_upload = async_upload
