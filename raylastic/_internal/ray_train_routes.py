@@ -80,7 +80,7 @@ class _RouteOnImport(importlib.abc.MetaPathFinder):
 
 
 def route_on_import() -> None:
-    """Install the import hook once per process (``TrainWorker.__init__`` calls it, before
-    any train function is unpickled; ``ray_train_compat.install`` again, per attempt)."""
+    """Install the import hook once per process (at this module's import: worker actors
+    import it when they are created, before any train function is unpickled)."""
     if not any(isinstance(f, _RouteOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RouteOnImport())

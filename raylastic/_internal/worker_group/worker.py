@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 import ray
 
@@ -33,10 +33,18 @@ from raylastic._internal.worker_group.results import (
     Holdings, PersistedSnapshot, PollResult, StopAnswer, WorkerStatus,
 )
 
-# torch (and what imports it: process groups, the snapshot store) is imported in
-# ``TrainWorker.__init__``, which runs in the worker process only, not with this module: the
-# controller imports this module for the actor class and never needs torch (~1 s of CPU and
-# ~300 MB on the head node).
+if TYPE_CHECKING:
+    from raylastic._internal.snapshots.store import SnapshotStore
+
+# torch (and what imports it: process groups, the snapshot store) is imported by the methods
+# that run in the worker process, not with this module: the controller imports this module
+# for the actor class and never needs torch (~1 s of CPU and ~300 MB on the head node).
+
+
+def _store() -> "SnapshotStore":
+    from raylastic.state import STORE
+
+    return STORE
 
 
 # Seconds a worker waits before joining a process group (fault injection, tests only: see
@@ -51,13 +59,9 @@ class TrainWorker:
                  persist_every: Optional[int] = None):
         import torch  # noqa: F401 - pay the import once per process, not per attempt
 
-        from raylastic._internal.distributed import process_group
         from raylastic._internal.ray_train_routes import route_on_import
-        from raylastic.state import STORE
 
         route_on_import()  # before any train function is unpickled here (see ray_train_routes)
-        self._pg = process_group
-        self._store = STORE
 
         self._storage = storage
         self._uploader = AsyncUploader(storage)
@@ -104,12 +108,16 @@ class TrainWorker:
 
     # -- process group -------------------------------------------------------------
     def host_store(self, world_size: int, timeout_s: float) -> StoreAddress:
-        self._pg.destroy_group()
+        from raylastic._internal.distributed import process_group
+
+        process_group.destroy_group()
         ip = ray.util.get_node_ip_address()
-        port = self._pg.host_store(ip, world_size, timeout_s)
+        port = process_group.host_store(ip, world_size, timeout_s)
         return {"addr": ip, "port": port}
 
     def setup_group(self, spec: GroupSpec) -> None:
+        from raylastic._internal.distributed import process_group
+
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("setup_group while the train function is still running")
         with self._lock:
@@ -119,11 +127,13 @@ class TrainWorker:
             time.sleep(delay)
         with self._join_lock:
             if spec.epoch < self._join_epoch:
-                raise self._pg.JoinCancelled(f"join of epoch {spec.epoch} superseded by epoch {self._join_epoch}")
+                raise process_group.JoinCancelled(f"join of epoch {spec.epoch} superseded by epoch {self._join_epoch}")
             self._init_group(spec)
 
     def _init_group(self, spec: GroupSpec) -> None:
-        self._pg.init_group(
+        from raylastic._internal.distributed import process_group
+
+        process_group.init_group(
             epoch=spec.epoch, rank=spec.rank, world_size=spec.world_size,
             master_addr=spec.master_addr, master_port=spec.master_port, backend=spec.backend,
             timeout_s=spec.timeout_s, local_rank=spec.local_rank,
@@ -132,8 +142,10 @@ class TrainWorker:
         )
 
     def teardown_group(self) -> None:
-        self._pg.destroy_group()
-        self._pg.release_store()
+        from raylastic._internal.distributed import process_group
+
+        process_group.destroy_group()
+        process_group.release_store()
 
     def execute(self, func: Callable, args: tuple = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         """``func(*args, **kwargs)`` in this worker process: what a Ray Train ``Backend``
@@ -183,7 +195,7 @@ class TrainWorker:
                 status = WorkerStatus.STOPPED  # a peer vanished mid-collective: expected
             else:
                 status, error, tb = WorkerStatus.ERROR, f"{type(e).__name__}: {e}", traceback.format_exc()
-        self._store.wait_pending(own_only=sess.aborted)  # the last snapshot's tensor copy belongs to this attempt
+        _store().wait_pending(own_only=sess.aborted)  # the last snapshot's tensor copy belongs to this attempt
         with self._lock:
             if self._session is sess:
                 self._status, self._error, self._traceback = status, error, tb
@@ -204,7 +216,7 @@ class TrainWorker:
     def holdings(self) -> Holdings:
         """Complete in-memory snapshots here, and which of them are striped (as poll()
         reports them, without draining reports)."""
-        return Holdings(snapshots=self._store.complete_indices(self._run_rel), stripes=self._store.stripes(self._run_rel))
+        return Holdings(snapshots=_store().complete_indices(self._run_rel), stripes=_store().stripes(self._run_rel))
 
     def export_snapshot(self, index: int) -> ExportedShards:
         """The tensors of in-memory snapshot ``index`` this worker holds (by position),
@@ -215,7 +227,7 @@ class TrainWorker:
         return {"holding": snap.holding, "leaves": held_leaves(snap.tensors)}
 
     def _snapshot(self, index: int):
-        snap = self._store.get(self._run_rel, index)
+        snap = _store().get(self._run_rel, index)
         if snap is None:
             raise RuntimeError(f"no complete in-memory snapshot {index} here")
         return snap
@@ -223,7 +235,7 @@ class TrainWorker:
     def merge_snapshot(self, index: int, exported: ExportedShards) -> Holding:
         """Add another worker's shards of snapshot ``index`` to this worker's copy.
         Returns what it holds now (``WHOLE`` once it has all of it)."""
-        return self._store.merge(self._run_rel, index, exported["holding"], exported["leaves"])
+        return _store().merge(self._run_rel, index, exported["holding"], exported["leaves"])
 
     def _finish_uploads(self, sess: Session) -> None:
         """Training ended: the last checkpoint must reach storage before we say so."""
@@ -260,7 +272,9 @@ class TrainWorker:
         if sess is None or (epoch is not None and sess.spec.epoch != epoch):
             return 0
         sess.abort()
-        return self._pg.abort_group(sess.spec.epoch)
+        from raylastic._internal.distributed import process_group
+
+        return process_group.abort_group(sess.spec.epoch)
 
     def train_stack(self, limit: int = 6) -> str:
         """Where the train thread is now (its innermost ``limit`` frames): said in the
