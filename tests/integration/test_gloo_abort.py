@@ -73,3 +73,74 @@ def test_abort_frees_ranks_blocked_on_each_other_and_the_process_joins_the_next_
         assert r["recv"] == "raised", r
         assert r["blocked_s"] < 30, r  # the group timeout is 60 s
         assert r["sum1"] == [2.0] * 3 and r["sum2"] == [2.0] * 3, r
+
+
+def _rank_in_new_group(rank, ports, out_dir):
+    import json
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from raylastic._internal.distributed import process_group as pg
+
+    if rank == 0:
+        ports.put(pg.host_store("127.0.0.1", 2, 60.0))
+        port = None
+    else:
+        port = ports.get(timeout=60)
+    pg.init_group(epoch=1, rank=rank, world_size=2, master_addr="127.0.0.1",
+                  master_port=port if rank else pg._store.port, backend="gloo", timeout_s=60.0,
+                  local_rank=rank, local_world_size=2)
+    clone = dist.new_group(ranks=range(2))  # what DeepSpeed reduces gradients over
+    with pg.untracked():
+        side = dist.new_group(ranks=range(2))  # raylastic's own: an abort leaves it alone
+    results = {}
+    t = torch.ones(2)
+    dist.all_reduce(t, group=clone)
+    results["sum"] = t.tolist()
+    if rank == 1:
+        # rank 1 is the survivor that already unwound: alive, its default group aborted,
+        # never entering the clone's collective. Only its abort can free rank 0.
+        ready = ports.get(timeout=60)
+        results["shut"] = pg.abort_group(1)
+        results["ready"] = ready
+    else:
+        ports.put("blocked")
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=clone)
+            results["op"] = "returned"
+        except RuntimeError as e:
+            results["op"] = "raised" if "closed" in str(e).lower() or "reset" in str(e).lower() else str(e)
+        results["blocked_s"] = time.monotonic() - start
+    done = threading.Event()
+    results["side"] = "?"
+
+    def side_op():  # the untracked group still works after the abort
+        s = torch.ones(1)
+        dist.all_reduce(s, group=side)
+        results["side"] = s.tolist()
+        done.set()
+
+    threading.Thread(target=side_op, daemon=True).start()
+    done.wait(30)
+    with open(f"{out_dir}/rank{rank}", "w") as fh:
+        fh.write(json.dumps(results))
+    pg.destroy_group()
+    pg.release_store()
+
+
+def test_abort_frees_a_rank_blocked_in_a_group_the_train_function_created(tmp_path):
+    """DeepSpeed's gradient reductions run in a clone of the world group
+    (``dist.new_group``): the abort shuts that group's connections too, while raylastic's
+    own side group (``untracked``) keeps working."""
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    mp.spawn(_rank_in_new_group, args=(ports, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}").read_text()) for r in (0, 1))
+    assert r0["sum"] == r1["sum"] == [2.0, 2.0]
+    assert r1["shut"] >= 2, r1  # the default group's connection and the clone's
+    assert r0["op"] == "raised" and r0["blocked_s"] < 30, r0  # the group timeout is 60 s
+    assert r0["side"] == r1["side"] == [2.0], (r0, r1)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 from raylastic._internal.snapshots.placement import WHOLE
-from raylastic._internal.snapshots.planner import adds_shards, evacuation, plan_restore, rescue_target, why_storage
+from raylastic._internal.snapshots.planner import adds_shards, evacuation, plan_restore, rescue_target, union, why_storage
 
 
 @dataclass(eq=False)
@@ -58,5 +58,23 @@ def test_adds_shards_and_rescue_target():
     assert not adds_shards(WHOLE, WHOLE)
     assert adds_shards(WHOLE, (3, (0,)))
     hung = M(0, [4, 5])
-    assert rescue_target(hung, [M(1, [4]), M(2, [5])])[0] == 5
-    assert rescue_target(hung, [M(1, [3])]) is None
+    assert rescue_target(hung, [M(1, [3])]) is None  # no snapshot in common
+    assert rescue_target(hung, [M(1, [4, 5])]) is None  # whole copies: nothing to add
+    # 3 ranks, 2 of 3 shards each; rank 2's node is lost, rank 0 hangs, rank 1 stopped
+    striped_hung = M(0, [4, 5], {4: (3, (0, 2)), 5: (3, (0, 2))})
+    r1 = M(1, [4, 5], {4: (3, (0, 1)), 5: (3, (0, 1))})
+    assert rescue_target(striped_hung, [r1]) == (5, r1)  # the newest: the shards of 2 are on 0
+
+
+def test_rescue_moves_the_snapshot_the_restore_can_use_not_just_the_newest():
+    """Rank 2's node was lost while snapshot 7's peer copies travelled: 7 holds each
+    survivor's own shard only, nobody has rank 2's. Moving 7 helps nothing; 6, complete
+    on both, is split between the hung rank 0 (shards 0, 2) and rank 1 (0, 1)."""
+    hung = M(0, [6, 7], {6: (3, (0, 2)), 7: (3, (0,))})
+    r1 = M(1, [6, 7], {6: (3, (0, 1)), 7: (3, (1,))})
+    assert rescue_target(hung, [r1]) == (6, r1)
+    assert plan_restore([r1], 0, None, skip_memory=False).memory_index is None  # without the move
+    r1.stripes[6] = union(r1.holding(6), hung.holding(6))
+    assert plan_restore([r1], 0, None, skip_memory=False).memory_index == 6
+    assert rescue_target(hung, [r1]) is None  # done: the stopped rank covers 6 already
+    assert union((3, (0,)), WHOLE) == WHOLE and union((3, (2,)), (3, (0,))) == (3, (0, 2))

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import os
 import socket
 import time
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -26,6 +27,11 @@ _store: Optional[dist.TCPStore] = None
 # ``abort_group`` shuts down. One tuple, swapped whole, so an abort never pairs one
 # epoch's number with another's sockets.
 _group_conns: Tuple[Optional[int], Dict[int, int]] = (None, {})
+# The epoch's PrefixStore: where the ranks of a group the train function creates later
+# publish their gloo listener addresses (see ``_record_new_group``).
+_epoch_store: Any = None
+_untracked = False  # set while raylastic creates a group of its own (``untracked``)
+_torch_new_group: Optional[Callable[..., Any]] = None
 # How long ranks wait for each other's gloo listener ports after init (they all just
 # finished init, so this is milliseconds unless a rank died in between).
 LISTEN_EXCHANGE_TIMEOUT_S = 5.0
@@ -92,7 +98,7 @@ def init_group(*, epoch: int, rank: int, world_size: int, master_addr: str, mast
                cancelled: Optional[Callable[[], bool]] = None) -> None:
     """Join the epoch's process group (blocks until every rank joined or timeout, or
     until ``cancelled()`` while ranks are still missing: ``JoinCancelled``)."""
-    global _group_conns
+    global _group_conns, _epoch_store
     destroy_group()
     before = set(_socket_fds().values())
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -113,7 +119,63 @@ def init_group(*, epoch: int, rank: int, world_size: int, master_addr: str, mast
         torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
     if backend == "gloo":  # gloo connects its full mesh during init (unless lazy init is on)
-        _group_conns = (epoch, _gloo_connections(prefixed, rank, world_size, before))
+        _group_conns = (epoch, _gloo_connections(prefixed, rank, range(world_size), before))
+        _epoch_store = prefixed
+        _track_new_groups()
+
+
+def _track_new_groups() -> None:
+    """Make ``dist.new_group`` record the connections of the gloo groups a train function
+    creates, so that ``abort_group`` shuts those too.
+
+    Why: DeepSpeed reduces gradients over a clone of the world group
+    (``dist.new_group(ranks=range(world))``), not over the default group. A survivor
+    blocked in that clone, waiting for a survivor that already unwound, never saw the
+    default group's abort and was replaced as hung (a ZeRO-2 run: 5 s lost and a
+    snapshot's shards with it). Installed once per process; a group created outside an
+    epoch, inside ``untracked()``, or not of plain gloo is left as torch made it."""
+    global _torch_new_group
+    if _torch_new_group is not None:
+        return
+    _torch_new_group = original = dist.new_group
+
+    @functools.wraps(original)
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        epoch, store = _group_conns[0], _epoch_store
+        if epoch is None or store is None or _untracked:
+            return original(*args, **kwargs)
+        before = set(_socket_fds().values())
+        group = original(*args, **kwargs)
+        try:
+            _record_new_group(group, epoch, store, before)
+        except Exception as e:  # noqa: BLE001 - the group works; only an abort cannot reach it
+            logger.warning("connections of a new gloo group not recorded (%s); an abort will not "
+                           "reach an operation blocked in it", e)
+        return group
+
+    dist.new_group = new_group
+
+
+def _record_new_group(group: Any, epoch: int, store: Any, before: set) -> None:
+    global _group_conns
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_backend(group) != "gloo":
+        return
+    conns = _gloo_connections(store, dist.get_rank(), dist.get_process_group_ranks(group), before,
+                              tag=f"{group.group_name}/")
+    if _group_conns[0] == epoch:  # swapped whole: an abort never sees half of it
+        _group_conns = (epoch, {**_group_conns[1], **conns})
+
+
+@contextlib.contextmanager
+def untracked() -> Iterator[None]:
+    """Groups created inside are not shut by ``abort_group`` (raylastic's own side groups,
+    whose transfers outlive the training thread's abort on purpose)."""
+    global _untracked
+    _untracked = True
+    try:
+        yield
+    finally:
+        _untracked = False
 
 
 class _Sock(NamedTuple):
@@ -124,8 +186,9 @@ class _Sock(NamedTuple):
     peer: Optional[Tuple[str, int]]
 
 
-def _gloo_connections(store, rank: int, world_size: int, before: set) -> Dict[int, int]:
-    """The TCP connections of the group just formed: fd -> inode.
+def _gloo_connections(store, rank: int, ranks: Sequence[int], before: set, tag: str = "") -> Dict[int, int]:
+    """The TCP connections of the group just formed (global ``ranks``; ``tag`` names a
+    group created after the epoch's own): fd -> inode.
 
     Other threads (uploads, Ray's gRPC, a metadata poller) may open sockets while
     ``init_process_group`` runs, so "new since before" is not enough: a connection is
@@ -136,9 +199,9 @@ def _gloo_connections(store, rank: int, world_size: int, before: set) -> Dict[in
     survivors was accepted by one of them)."""
     new = _describe(before)
     mine = sorted({s.local for s in new if s.listening})
-    store.set(f"raylastic/gloo-listen/{rank}", json.dumps(mine))
+    store.set(f"raylastic/gloo-listen/{tag}{rank}", json.dumps(mine))
     peers: set = set()
-    keys = [f"raylastic/gloo-listen/{r}" for r in range(world_size) if r != rank]
+    keys = [f"raylastic/gloo-listen/{tag}{r}" for r in ranks if r != rank]
     try:
         store.wait(keys, datetime.timedelta(seconds=LISTEN_EXCHANGE_TIMEOUT_S))
         for k in keys:
@@ -206,10 +269,10 @@ def abort_group(epoch: int) -> int:
     other threads opened meanwhile (see ``_gloo_connections``). Returns how many
     connections were shut down; 0 when the group is of another epoch, its backend is
     not plain ``"gloo"`` (NCCL, or a ``"cpu:gloo,cuda:nccl"`` string), or on a platform
-    without ``/proc/self/fd``. Groups the train function creates itself
-    (``dist.new_group``) or that gloo connects lazily (``TORCH_GLOO_LAZY_INIT``) are not
-    recorded. In all those cases the controller still replaces a rank that does not
-    unwind.
+    without ``/proc/self/fd``. Gloo groups the train function (or DeepSpeed) creates
+    with ``torch.distributed.new_group`` during the epoch are shut too (see
+    ``_track_new_groups``); groups gloo connects lazily (``TORCH_GLOO_LAZY_INIT``) are
+    not. In those cases the controller still replaces a rank that does not unwind.
     """
     group_epoch, conns = _group_conns
     if epoch != group_epoch:
@@ -243,8 +306,8 @@ def _socket_fds() -> Dict[int, str]:
 
 def destroy_group() -> None:
     """Leave the current group, if any. Safe to call when none exists."""
-    global _group_conns
-    _group_conns = (None, {})
+    global _group_conns, _epoch_store
+    _group_conns, _epoch_store = (None, {}), None
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

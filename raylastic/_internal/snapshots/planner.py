@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence, Tuple
 
 from raylastic._internal.protocol import RestoreInfo
-from raylastic._internal.snapshots.placement import Holding, covered, is_whole, restore_from_memory_possible
+from raylastic._internal.snapshots.placement import WHOLE, Holding, covered, is_whole, restore_from_memory_possible
 
 
 def plan_restore(members: Sequence[Any], restart_count: int, latest: Optional[Any], skip_memory: bool
@@ -72,11 +72,40 @@ def adds_shards(theirs: Holding, have: Holding) -> bool:
 
 def rescue_target(hung: Any, stopped: Sequence[Any]) -> Optional[Tuple[int, Any]]:
     """(snapshot index, stopped member) to move a hung worker's shards to: the newest
-    snapshot it shares with a stopped member (the one a restore would use)."""
-    common = [(i, m) for m in stopped for i in set(hung.snapshots) & set(m.snapshots)]
-    if not common:
-        return None
-    return max(common, key=lambda p: p[0])
+    snapshot the stopped members cover once that member has the hung worker's shards,
+    if it is newer than what they cover already. None: moving adds nothing.
+
+    Why not simply the newest snapshot they share: a sharded snapshot counts as complete
+    once a rank's own shard is copied, while its peer copies still travel. When the node
+    is lost mid-exchange, the newest snapshot may lack the lost rank's shard everywhere,
+    and moving its shards still leaves it uncovered, while the previous snapshot, the
+    one the restore can use, stayed split between the hung worker and the others (a
+    ZeRO-2 run then restarted from the beginning)."""
+    def covers_after(index: int, to: Any) -> bool:
+        snapshots = {m.wid: m.snapshots for m in stopped}
+        stripes = {m.wid: dict(m.stripes) for m in stopped}
+        merged = union(to.holding(index), hung.holding(index))
+        if is_whole(merged):
+            stripes[to.wid].pop(index, None)
+        else:
+            stripes[to.wid][index] = merged
+        return restore_from_memory_possible(snapshots, stripes) == index
+
+    now = restore_from_memory_possible({m.wid: m.snapshots for m in stopped}, {m.wid: m.stripes for m in stopped})
+    for index in sorted(set(hung.snapshots), reverse=True):
+        if now is not None and index <= now:
+            return None
+        for m in stopped:
+            if index in m.snapshots and adds_shards(hung.holding(index), m.holding(index)) and covers_after(index, m):
+                return index, m
+    return None
 
 
-__all__ = ["plan_restore", "why_storage", "evacuation", "adds_shards", "rescue_target"]
+def union(a: Holding, b: Holding) -> Holding:
+    """What a copy holding ``a`` holds after merging a copy holding ``b``."""
+    if is_whole(a) or is_whole(b):
+        return WHOLE
+    return (a[0], tuple(sorted(set(a[1]) | set(b[1]))))
+
+
+__all__ = ["plan_restore", "why_storage", "evacuation", "adds_shards", "rescue_target", "union"]

@@ -28,11 +28,14 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from raylastic._internal.distributed.process_group import untracked
+
 
 def side_group(timeout_s: float) -> Any:
     """A gloo group over the whole training group, for host tensors moved off the training
     thread (peer copies) or whatever the training backend is (restores)."""
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, 10)))
+    with untracked():  # its transfers finish or fail on their own; an abort does not cut them
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, 10)))
 
 
 class PeerExchange:
