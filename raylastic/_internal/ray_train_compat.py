@@ -9,8 +9,10 @@ unchanged under ``ElasticTrainer``. ``get_all_reported_checkpoints`` waits for t
 ranks' reports and the commits they imply (``ray_train_checkpoints``).
 
 Per attempt, :func:`install` also resets process-wide state that libraries cache about the
-process group (Accelerate's singletons: :func:`reset_library_state`) and routes Ray's
-``prepare_trainer`` of its Hugging Face and Lightning integrations to raylastic's elastic ones.
+process group (Accelerate's singletons: ``ray_train_routes.reset_library_state``) and routes
+Ray's ``prepare_trainer`` of its Hugging Face and Lightning integrations to raylastic's
+elastic ones. A worker installs it only where ``ray.train`` is imported: see
+``ray_train_routes``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ray.train.v2.api.context import TrainContext as RayTrainContext
 
 from raylastic import session as _session
 from raylastic._internal.ray_train_checkpoints import ReportProgress, Retention, usable_dir_name
-from raylastic._internal.ray_train_routes import _ROUTES, _route_ray, route_on_import
+from raylastic._internal.ray_train_routes import _ROUTES, _route_ray, reset_library_state, route_on_import
 
 # The run's retention rules, set in this worker process by ``raylastic.TorchTrainer``'s
 # train-function wrapper; ``ElasticTrainer`` runs keep the default (the controller has
@@ -117,23 +119,6 @@ class RayTrainAdapter(TrainFnUtils):
         box = [data]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-
-
-def reset_library_state() -> None:
-    """Forget what Accelerate cached about the previous process group.
-
-    ``PartialState``, ``AcceleratorState`` and ``GradientState`` are process-wide singletons
-    that read the world size, rank and device once; the survivors of a resize call the train
-    function again in the same process, where the next ``TrainingArguments`` / ``Trainer`` /
-    ``Accelerator`` would otherwise get the old world size (and a destroyed group). Resetting
-    here, in the worker before each attempt, is the one place that runs after the new group
-    exists and before any user code builds those objects. Only when Accelerate is already
-    imported: a run that never uses it pays nothing."""
-    state = sys.modules.get("accelerate.state")
-    if state is None:
-        return
-    state.AcceleratorState._reset_state(reset_partial_state=True)
-    state.GradientState._reset_state()
 
 
 def install(sess: "_session.Session") -> None:

@@ -1,9 +1,17 @@
-"""Routes Ray's Hugging Face and Lightning ``prepare_trainer`` to raylastic's elastic ones.
+"""What a worker does about Ray Train before each attempt, without importing ``ray.train``.
 
-Apart from ``ray_train_compat`` (which imports ``ray.train``, ~0.5 s of CPU) because the
-hook must be in place when a worker actor is created, before any train function is
-unpickled: a function that did ``from ray.train.lightning import prepare_trainer`` binds the
-name when it is unpickled. ``TrainWorker.__init__`` calls :func:`route_on_import`.
+Importing ``ray.train`` (and ``ray.train.torch``, which :mod:`ray_train_compat` needs)
+costs a worker process about 0.9 s of CPU, three times per run of three workers, and a
+train function written for ``ElasticTrainer`` never uses it. So Ray Train's API is routed
+to the raylastic session (``ray_train_compat.install``) before an attempt only where
+``ray.train`` is imported already, and otherwise at the moment the train function first
+imports it (:class:`_RouteOnImport`).
+
+The same import hook routes Ray's Hugging Face and Lightning ``prepare_trainer`` to
+raylastic's elastic ones. It must be in place when a worker actor is created, before any
+train function is unpickled: a function that did ``from ray.train.lightning import
+prepare_trainer`` binds the name when it is unpickled. ``TrainWorker.__init__`` calls
+:func:`route_on_import`, ``TrainWorker.start`` calls :func:`before_attempt`.
 """
 
 from __future__ import annotations
@@ -56,14 +64,15 @@ def _route_ray(module: Any) -> None:
 
 
 class _RouteOnImport(importlib.abc.MetaPathFinder):
-    """Routes Ray's HF / Lightning ``prepare_trainer`` as soon as its module is imported.
+    """Routes Ray's HF / Lightning ``prepare_trainer`` as soon as its module is imported,
+    and Ray Train's API to the running attempt's session as soon as ``ray.train`` is.
 
     Why at import: a train function that did ``from ray.train.lightning import
     prepare_trainer`` at module level is unpickled (binding that name) before any attempt
     starts; patching only in :func:`install` would reach the module attribute too late."""
 
     def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Any = None):
-        if fullname not in _ROUTES:
+        if fullname not in _ROUTES and fullname != "ray.train":
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -73,6 +82,14 @@ class _RouteOnImport(importlib.abc.MetaPathFinder):
 
         def exec_and_route(module: Any) -> None:
             exec_module(module)
+            if fullname == "ray.train":
+                if _session._session is not None:  # imported by a running train function
+                    # what the import system does next, needed now: ray.train.torch's
+                    # modules read ``ray.train`` as an attribute of ``ray``
+                    ray_package: Any = sys.modules["ray"]
+                    ray_package.train = module
+                    _install(_session._session)
+                return
             _route_ray(module)
 
         loader.exec_module = exec_and_route  # type: ignore[method-assign]
@@ -84,3 +101,36 @@ def route_on_import() -> None:
     import it when they are created, before any train function is unpickled)."""
     if not any(isinstance(f, _RouteOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RouteOnImport())
+
+
+def reset_library_state() -> None:
+    """Forget what Accelerate cached about the previous process group.
+
+    ``PartialState``, ``AcceleratorState`` and ``GradientState`` are process-wide singletons
+    that read the world size, rank and device once; the survivors of a resize call the train
+    function again in the same process, where the next ``TrainingArguments`` / ``Trainer`` /
+    ``Accelerator`` would otherwise get the old world size (and a destroyed group). Resetting
+    here, in the worker before each attempt, is the one place that runs after the new group
+    exists and before any user code builds those objects. Only when Accelerate is already
+    imported: a run that never uses it pays nothing."""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+    state.GradientState._reset_state()
+
+
+def before_attempt(sess: "_session.Session") -> None:
+    """Per attempt, in the worker, before the train function runs: reset the libraries'
+    process-group caches, and route Ray Train's API to ``sess`` if ``ray.train`` is imported
+    (else the import hook does it when the train function imports it)."""
+    reset_library_state()
+    route_on_import()
+    if "ray.train" in sys.modules:
+        _install(sess)
+
+
+def _install(sess: "_session.Session") -> None:
+    from raylastic._internal import ray_train_compat
+
+    ray_train_compat.install(sess)

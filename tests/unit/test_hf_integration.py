@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from raylastic import session as _session  # noqa: E402
-from raylastic._internal import ray_train_compat  # noqa: E402
+from raylastic._internal import ray_train_routes  # noqa: E402
 from raylastic._internal.protocol import RestoreInfo  # noqa: E402
 from raylastic.integrations.transformers import (  # noqa: E402
     elastic_state,
@@ -219,7 +219,7 @@ def test_accelerate_state_is_reset_between_attempts():
     PartialState(cpu=True)
     GradientState()
     assert PartialState._shared_state and GradientState._shared_state
-    ray_train_compat.reset_library_state()
+    ray_train_routes.reset_library_state()
     assert not PartialState._shared_state and not AcceleratorState._shared_state
     assert not GradientState._shared_state
 
