@@ -14,6 +14,11 @@ from integration.storage_fixtures import *  # noqa: F401,F403  (SeaweedFS/Azurit
 
 
 def pytest_collection_modifyitems(config, items):
+    # The modules sharing ``local_cluster`` run one after another (each keeps its order):
+    # a module that starts no cluster or its own in between made the next one start a
+    # fresh cluster (~7 s each).
+    shared = {item.path for item in items if "local_cluster" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: item.path not in shared)
     try:
         import torch
 

@@ -1,17 +1,15 @@
-"""What a worker does about Ray Train before each attempt, without importing ``ray.train``.
+"""Routes Ray's Hugging Face and Lightning ``prepare_trainer`` to raylastic's elastic ones,
+and tells a worker when ``ray.train`` gets imported, without importing ``ray.train``.
 
-Importing ``ray.train`` (and ``ray.train.torch``, which :mod:`ray_train_compat` needs)
-costs a worker process about 0.9 s of CPU, three times per run of three workers, and a
-train function written for ``ElasticTrainer`` never uses it. So Ray Train's API is routed
-to the raylastic session (``ray_train_compat.install``) before an attempt only where
-``ray.train`` is imported already, and otherwise at the moment the train function first
-imports it (:class:`_RouteOnImport`).
+The import hook must be in place when a worker actor is created, before any train function
+is unpickled: a function that did ``from ray.train.lightning import prepare_trainer`` binds
+the name when it is unpickled. ``TrainWorker.__init__`` calls :func:`route_on_import`.
 
-The same import hook routes Ray's Hugging Face and Lightning ``prepare_trainer`` to
-raylastic's elastic ones. It must be in place when a worker actor is created, before any
-train function is unpickled: a function that did ``from ray.train.lightning import
-prepare_trainer`` binds the name when it is unpickled. ``TrainWorker.__init__`` calls
-:func:`route_on_import`, ``TrainWorker.start`` calls :func:`before_attempt`.
+Why a worker waits for ``ray.train`` to be imported before it routes Ray Train's API to
+the session (``ray_train_compat.install``, see ``TrainWorker.start``): importing it (and
+``ray.train.torch``, which the routing needs) costs a worker process about 0.9 s of CPU,
+three times per run of three workers, and a train function written for ``ElasticTrainer``
+never uses it.
 """
 
 from __future__ import annotations
@@ -20,9 +18,12 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from raylastic import session as _session
+
+# Called when ``ray.train`` is imported (the worker routes Ray Train's API then).
+_on_ray_train: Optional[Callable[[], None]] = None
 
 # Ray's integration module -> (its package, raylastic's elastic integration module).
 _ROUTES = {
@@ -83,12 +84,12 @@ class _RouteOnImport(importlib.abc.MetaPathFinder):
         def exec_and_route(module: Any) -> None:
             exec_module(module)
             if fullname == "ray.train":
-                if _session._session is not None:  # imported by a running train function
+                if _on_ray_train is not None:
                     # what the import system does next, needed now: ray.train.torch's
                     # modules read ``ray.train`` as an attribute of ``ray``
                     ray_package: Any = sys.modules["ray"]
                     ray_package.train = module
-                    _install(_session._session)
+                    _on_ray_train()
                 return
             _route_ray(module)
 
@@ -120,17 +121,8 @@ def reset_library_state() -> None:
     state.GradientState._reset_state()
 
 
-def before_attempt(sess: "_session.Session") -> None:
-    """Per attempt, in the worker, before the train function runs: reset the libraries'
-    process-group caches, and route Ray Train's API to ``sess`` if ``ray.train`` is imported
-    (else the import hook does it when the train function imports it)."""
-    reset_library_state()
+def on_ray_train_import(callback: Optional[Callable[[], None]]) -> None:
+    """Call ``callback`` once ``ray.train`` is imported in this process (None: nothing)."""
+    global _on_ray_train
+    _on_ray_train = callback
     route_on_import()
-    if "ray.train" in sys.modules:
-        _install(sess)
-
-
-def _install(sess: "_session.Session") -> None:
-    from raylastic._internal import ray_train_compat
-
-    ray_train_compat.install(sess)

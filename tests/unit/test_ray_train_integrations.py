@@ -38,7 +38,6 @@ _LAZY = textwrap.dedent("""
     import sys
 
     from raylastic import session as _session
-    from raylastic._internal import ray_train_routes
     from raylastic._internal.protocol import GroupSpec, RestoreInfo
     from raylastic.session import Session
 
@@ -46,7 +45,9 @@ _LAZY = textwrap.dedent("""
                      master_addr="127.0.0.1", master_port=0, backend="gloo")
     sess = Session(spec=spec, storage=None, run_rel="r", run_name="r", restore=RestoreInfo())
     _session._set_session(sess)
-    ray_train_routes.before_attempt(sess)
+    from raylastic._internal.worker_group.worker import before_attempt
+
+    before_attempt(sess)  # as the worker does before each attempt
     assert "ray.train" not in sys.modules, "a train function that never imports it pays for it"
     import ray.train  # the train function's first use of Ray Train's API
 

@@ -3,7 +3,7 @@ integration tests (HF, Lightning): what the worker sets up before each attempt o
 function. Shared so that both integrations are tested against the same session setup."""
 
 from raylastic import session as _session
-from raylastic._internal import ray_train_routes
+from raylastic._internal.worker_group.worker import before_attempt
 from raylastic._internal.protocol import GroupSpec, RestoreInfo
 from raylastic.session import Session
 
@@ -14,5 +14,5 @@ def session_for(run_rel, restore=None, epoch=1, **spec):
                       master_addr="127.0.0.1", master_port=0, backend="gloo", **spec)
     sess = Session(spec=group, storage=None, run_rel=run_rel, run_name=run_rel, restore=restore or RestoreInfo())
     _session._set_session(sess)
-    ray_train_routes.before_attempt(sess)  # as the worker does before each attempt
+    before_attempt(sess)  # as the worker does before each attempt
     return sess

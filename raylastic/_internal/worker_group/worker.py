@@ -48,6 +48,25 @@ def _store() -> "SnapshotStore":
     return STORE
 
 
+def before_attempt(sess: Session) -> None:
+    """In the worker, before each attempt's train function: reset what libraries cache
+    about the process group, and route Ray Train's API to ``sess``, now if ``ray.train``
+    is imported, else when the train function imports it (importing it costs a process
+    ~0.9 s of CPU, and a raylastic train function never needs it: see ray_train_routes)."""
+    ray_train_routes.reset_library_state()
+    if "ray.train" in sys.modules:
+        _route_ray_train(sess)
+    else:
+        ray_train_routes.on_ray_train_import(lambda: _route_ray_train(sess))
+
+
+def _route_ray_train(sess: Session) -> None:
+    from raylastic._internal import ray_train_compat
+
+    ray_train_routes.on_ray_train_import(None)
+    ray_train_compat.install(sess)
+
+
 # Seconds a worker waits before joining a process group (fault injection, tests only: see
 # raylastic.testing.faults.slow_joins). Read from the worker's environment.
 JOIN_DELAY_ENV = "RAYLASTIC_TESTING_JOIN_DELAY_S"
@@ -166,9 +185,7 @@ class TrainWorker:
             self._error, self._traceback, self._return_value = None, "", None
             self._epoch = spec.epoch
         _session._set_session(sess)
-        # Ray Train's API is routed to sess only where ray.train is imported: importing it
-        # costs a process ~0.9 s of CPU (ray.air, pandas, ray.data), see ray_train_routes.
-        ray_train_routes.before_attempt(sess)
+        before_attempt(sess)
         self._thread = threading.Thread(
             target=self._run, args=(train_func, config, sess), name=f"raylastic-train-e{spec.epoch}",
             daemon=True,
