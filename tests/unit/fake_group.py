@@ -20,7 +20,7 @@ from raylastic._internal.worker_group.group import (
     Formed, Interrupted, MembersLost, PollBatch, StopOutcome, order_by_node,
 )
 from raylastic._internal.worker_group.pool import WorkerHandle
-from raylastic._internal.worker_group.results import PollResult, StopAnswer, WorkerStatus
+from raylastic._internal.worker_group.results import PersistedSnapshot, PollResult, StopAnswer, WorkerStatus
 from raylastic.session import GroupSpec, ReportRecord, RestoreInfo, checkpoint_rel
 
 
@@ -62,6 +62,7 @@ class FakeGroup:
         self._interrupt = threading.Event()
         self.block_stop = False  # stop() waits for the controller's interrupt
         self.stop_calls: List[bool] = []  # graceful flag of each stop()
+        self.persisted: List[tuple] = []  # (wid, index) of each persist_snapshot()
         self.on_report: Optional[Callable[[int, int], None]] = None  # (rank, index) before each report
         # A node lost while a call to every member is in flight (the others answer).
         self.lose_on_start: Optional[str] = None
@@ -231,6 +232,14 @@ class FakeGroup:
             if w is not None and w.epoch == epoch and w.status == WorkerStatus.RUNNING:
                 w.status = WorkerStatus.STOPPED
         return []
+
+    def persist_snapshot(self, m: WorkerHandle, index: int, epoch: int) -> PersistedSnapshot:
+        """``m`` writes its in-memory snapshot ``index`` to storage (a leaving worker)."""
+        rel = checkpoint_rel(self._run_rel, index, epoch)
+        data = f"snapshot {index} of wid {m.wid}".encode()
+        self._storage.write_bytes(f"{rel}/state.bin", data)
+        self.persisted.append((m.wid, index))
+        return PersistedSnapshot(rel, [["state.bin", len(data), f"crc32:{zlib.crc32(data):08x}"]], 0.0)
 
     def stop(self, members: Sequence[WorkerHandle], epoch: int, graceful: bool, abort_join_s: float) -> StopOutcome:
         self.stop_calls.append(graceful)

@@ -16,7 +16,7 @@ from typing import Callable, List
 
 
 from raylastic._internal.controller.controller import Controller
-from raylastic._internal.controller.states import Errored, Finished, Resizing, Running
+from raylastic._internal.controller.states import Errored, Finished, Resizing, Running, Scheduling
 from raylastic.checkpoint.storage import RetryPolicy, Storage
 from raylastic.config import FailureConfig, RunConfig, ScalingConfig
 from raylastic.errors import TrainingAborted, TrainingFailedError
@@ -103,6 +103,31 @@ def test_preemption_notice_stops_every_rank_at_one_index_then_shrinks(tmp_path):
     lost = _events(tmp_path, ctrl, EventKind.WORKER_LOST)
     assert [(e["wid"], e["cause"]) for e in lost] == [(c.wid, "preempted")]
     assert ctrl._counts.node_losses == 0 and ctrl._recoveries == 0  # planned: not a failure
+
+
+def test_workers_noticed_after_their_group_stopped_keep_the_newest_snapshot(tmp_path):
+    """Notices a moment apart: the group stops for nc's, and na and nb are noticed while it
+    stops. Their workers, idle now, hold the only copy of the newest in-memory snapshot:
+    it is persisted before they go, and the next group restores it, not the start."""
+    ctrl, group = _controller(tmp_path, min_w=1)
+    a, b, c = _start(ctrl, group, ["na", "nb", "nc"])
+    _tick_until(ctrl, lambda st: st.progress.reached() >= 3)
+    group.draining["nc"] = 0
+    _tick_until(ctrl, lambda st: isinstance(st, Resizing))
+    group.draining.update(na=0, nb=0)
+    _tick_until(ctrl, lambda st: isinstance(st, Scheduling))
+    index = group.worker(a).index
+    for h in (a, b):  # what their last polls said: whole copies of snapshot `index`
+        h.snapshots = [index]
+    d = group.add_worker("nd")
+
+    _tick_until(ctrl, _running(1))
+    assert group.persisted == [(a.wid, index)]
+    assert [m.wid for m in ctrl._state.members] == [d.wid]
+    restore = group.worker(d).restores[-1]
+    assert restore.index == index and restore.checkpoint_rel.endswith(f"checkpoint_{index:08d}-e1")
+    evacuated = [e for e in _events(tmp_path, ctrl, EventKind.DECISION) if e.get("decision") == "evacuate"]
+    assert [e["index"] for e in evacuated] == [index]
 
 
 def test_scale_up_waits_for_the_checkpoint_boundary_and_resumes_from_it(tmp_path):

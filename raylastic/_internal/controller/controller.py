@@ -221,8 +221,11 @@ class Controller(CapacitySteps, FailureSteps):
     def _step_scheduling(self, st: Scheduling) -> State:
         now = time.monotonic()
         spares = self._group.ready_spares([])
-        for h in self._group.drained(spares):  # idle workers on a node about to go away
-            self._group.remove(h)
+        leaving = self._group.drained(spares)  # idle workers on nodes about to go away
+        if leaving:
+            self._keep_newest_snapshot(spares, leaving)
+            for h in leaving:
+                self._group.remove(h)
         spares = [h for h in spares if h.node_id not in self._group.draining]
         snap = ScalingSnapshot(now=now, group_size=0, ready_spares=len(spares),
                                last_ready_at=self._group.last_ready_at, waiting_since=st.since,
@@ -244,6 +247,15 @@ class Controller(CapacitySteps, FailureSteps):
         self._events.emit(EventKind.DECISION, d.reason, decision="resize", world_size=d.world_size)
         members = sorted(spares, key=lambda h: (h.prev_rank, h.wid))[: d.world_size]
         return self._form_group(members) or Scheduling(since=st.since)
+
+    def _keep_newest_snapshot(self, spares: List[WorkerHandle], leaving: List[WorkerHandle]) -> None:
+        """Idle workers on draining nodes may hold the newest state (notices a moment apart:
+        the group shrank for the first node, and the other two left with snapshot 3265 while
+        the next group restored checkpoint 3200). Keep it, as a graceful stop does."""
+        latest = self._ckpt.latest_valid()
+        newest = max((i for h in leaving for i in h.snapshots), default=None)
+        if newest is not None and (latest is None or newest > latest.index):
+            self._memory.evacuate(spares, leaving, newest, self._epoch)
 
     def _form_group(self, members: List[WorkerHandle]) -> Optional[Running]:
         self._epoch += 1
