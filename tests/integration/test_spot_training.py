@@ -98,6 +98,11 @@ def test_drought_falls_back_to_on_demand_and_returns_to_spot(tmp_path):
     assert all(e["lost_steps"] == 0 for e in events if e["kind"] == "resize"), \
         [e for e in events if e["kind"] == "resize"]
     assert any(e["kind"] == "decision" and e.get("decision") == "evacuate" for e in events)
+    # and each group resumed where its resize said: a snapshot that left with a node
+    # noticed a moment later showed up only here (resize at 3265, group formed at 3200)
+    for resize in (e for e in events if e["kind"] == "resize"):
+        formed = next(e for e in events if e["kind"] == "group_formed" and e["ts"] > resize["ts"])
+        assert formed["restore_index"] >= resize["restore_index"], (resize, formed)
     assert gone["node_type"] == "on_demand" and gone["billed_after_release_s"] >= 0
     assert any(h["event"] == "terminated" and h["node_id"] == gone["node_id"] for h in history)
 
