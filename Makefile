@@ -86,10 +86,10 @@ demo: $(DSSTAMP)
 	$(PY) examples/demo.py
 
 # `make test` runs what does not depend on each other side by side (make -j4 on test-prep):
-# Azurite's npm install beside the pip installs, DeepSpeed's build beside the lock's install,
-# check-configs beside them. The unit tests (no Ray) start in the background as soon as what
-# they need is installed (see test-unit-split) and are collected at the end. The integration
-# tests start once DeepSpeed is in, the only Ray work: one Ray cluster at a time (those without
+# Azurite's npm install beside the pip installs, DeepSpeed's build beside the lock's install
+# and the unit tests (no Ray; two pytest processes from the moment the lock is installed, see
+# test-unit-split; the one DeepSpeed file once DeepSpeed is in), check-configs beside them.
+# Then the integration tests, the only Ray work: one Ray cluster at a time (those without
 # Ray in a second process beside them, IT_NO_RAY). ruff and mypy
 # (`make lint`) run beside them at idle scheduling priority (IDLE): no timing, and they only
 # take CPU the integration tests leave idle (about 40% of it, measured), so they add nothing
@@ -106,14 +106,13 @@ IT_NO_RAY := $(addprefix tests/integration/,test_storage_backends.py test_torchr
 	test_rendezvous_azure_backend.py test_stripes_gloo.py test_gloo_abort.py)
 test:
 	@rm -f .cache/unit-failed .cache/lint-failed
-	@$(MAKE) --no-print-directory -j4 test-prep UNIT_BG=1
+	@$(MAKE) --no-print-directory -j4 test-prep UNIT_DEFER=1
 	@($(IDLE) $(MAKE) --no-print-directory lint >.cache/lint.log 2>&1 || touch .cache/lint-failed) & lint=$$!; \
 	nice -n 10 $(PY) -m pytest -q -ra -p no:cacheprovider $(IT_NO_RAY) >.cache/it-no-ray.log 2>&1 & noray=$$!; \
 	$(PY) -m pytest -q -ra --durations=15 --ignore=tests/unit $(addprefix --ignore=,$(IT_NO_RAY)) tests; rc=$$?; \
 	wait $$noray; noray=$$?; echo "== integration tests without Ray (beside the others): $(IT_NO_RAY)"; \
 	cat .cache/it-no-ray.log; test $$noray -eq 0 || rc=1; \
 	wait $$lint; echo "== make lint (beside the integration tests, at idle priority)"; cat .cache/lint.log; \
-	$(call UNIT_COLLECT,slow rest ds); \
 	if [ -e .cache/unit-failed ]; then echo "tests/unit FAILED: see its output above"; rc=1; fi; \
 	if [ -e .cache/lint-failed ]; then echo "make lint FAILED: see its output above"; rc=1; fi; exit $$rc
 
@@ -122,37 +121,32 @@ test-prep: $(DSSTAMP) $(AZURITE) check-configs test-unit-split test-unit-deepspe
 test-unit: $(DSSTAMP)
 	$(PY) -m pytest -q tests/unit
 
-# tests/unit in three pytest processes: the files that take longest (spawned gloo ranks,
-# fresh interpreters, fuzzing) in one, every other file but DeepSpeed's in another, both
-# started as soon as the lock is installed (beside DeepSpeed's build), and the DeepSpeed file
-# once DeepSpeed is in. Each writes .cache/unit-<name>.log and .rc; UNIT_COLLECT shows them
-# and flags a failure. Alone, these targets wait for their tests and fail with them. Under
-# `make test` (UNIT_BG=1) the tests run in the background, niced like the integration tests
-# without Ray, and `make test` collects them after the integration tests: the installs and
-# DeepSpeed's build are then all that comes before the integration tests (~135 s from a
-# fresh clone, measured, against ~170 s when the integration tests waited for the unit
-# tests). Measured serially on a quiet machine (2026-11-26): the slow files ~36 s, the other
-# ~55 files ~45 s, the DeepSpeed file 13 s.
+# tests/unit without DeepSpeed, in two pytest processes at once (one per core), started as
+# soon as the lock is installed (beside DeepSpeed's build): the files that take longest
+# (spawned gloo ranks, fresh interpreters, fuzzing) in one, every other file in the other.
+# Each process's output is shown once both are done; either failing fails the target (under
+# `make test`, UNIT_DEFER=1: fails `make test` after the integration tests instead).
+# Measured serially on a quiet machine (2026-11-26): these 5 files ~36 s, the other ~55
+# files ~45 s, the DeepSpeed file 13 s.
 UNIT_DS   := tests/unit/test_sharded_deepspeed.py
 UNIT_SLOW := $(addprefix tests/unit/,test_fuzz_readers.py test_import_cycles.py \
 	test_sharded_core.py test_run_lease.py test_data_ddp.py)
 UNIT_REST := $(filter-out $(UNIT_SLOW) $(UNIT_DS),$(wildcard tests/unit/test_*.py))
-# $(call UNIT_PYTEST,name,files): one pytest process, in the background (its rc file says when it ends)
-UNIT_PYTEST = (rm -f .cache/unit-$(1).rc; $(if $(UNIT_BG),nice -n 10) $(PY) -m pytest -q -ra --durations=8 \
-	-p no:cacheprovider $(2) >.cache/unit-$(1).log 2>&1; echo $$? >.cache/unit-$(1).rc) </dev/null &
-# $(call UNIT_COLLECT,names): wait for those processes (30 min at most), show their output,
-# flag a failure in .cache/unit-failed
-UNIT_COLLECT = for u in $(1); do n=0; while [ ! -e .cache/unit-$$u.rc ] && [ $$n -lt 1800 ]; do sleep 1; \
-	n=$$((n+1)); done; echo "== tests/unit ($$u)"; cat .cache/unit-$$u.log; \
-	test "$$(cat .cache/unit-$$u.rc 2>/dev/null)" = 0 || { echo "tests/unit ($$u) FAILED"; touch .cache/unit-failed; }; done
-UNIT_WAIT = $(if $(UNIT_BG),true,rm -f .cache/unit-failed; $(call UNIT_COLLECT,$(1)); test ! -e .cache/unit-failed)
 test-unit-split: $(STAMP)
-	@mkdir -p .cache; rm -f .cache/unit-slow.rc .cache/unit-rest.rc
-	@$(call UNIT_PYTEST,slow,$(UNIT_SLOW)) $(call UNIT_PYTEST,rest,$(UNIT_REST)) $(call UNIT_WAIT,slow rest)
+	@mkdir -p .cache
+	@$(PY) -m pytest -q -ra --durations=8 -p no:cacheprovider $(UNIT_SLOW) >.cache/unit-slow.log 2>&1 & \
+	slow=$$!; $(PY) -m pytest -q -ra --durations=8 $(UNIT_REST) >.cache/unit-rest.log 2>&1; rest=$$?; \
+	wait $$slow; slow=$$?; \
+	echo "== tests/unit, slowest files: $(UNIT_SLOW)"; cat .cache/unit-slow.log; \
+	echo "== tests/unit, every other file but $(UNIT_DS)"; cat .cache/unit-rest.log; \
+	test $$slow -eq 0 && test $$rest -eq 0 || { touch .cache/unit-failed; test -n "$(UNIT_DEFER)"; }
 
+# The unit tests that need DeepSpeed, once it is installed.
 test-unit-deepspeed: $(DSSTAMP)
-	@mkdir -p .cache; rm -f .cache/unit-ds.rc
-	@$(call UNIT_PYTEST,ds,$(UNIT_DS)) $(call UNIT_WAIT,ds)
+	@mkdir -p .cache
+	@$(PY) -m pytest -q -ra -p no:cacheprovider $(UNIT_DS) >.cache/unit-ds.log 2>&1; rc=$$?; \
+	echo "== tests/unit, DeepSpeed: $(UNIT_DS)"; cat .cache/unit-ds.log; \
+	test $$rc -eq 0 || { touch .cache/unit-failed; test -n "$(UNIT_DEFER)"; }
 
 bench: $(DSSTAMP) $(AZURITE)
 	$(PY) benchmarks/recovery.py --hidden 1536 --layers 5
