@@ -14,11 +14,13 @@ from integration.storage_fixtures import *  # noqa: F401,F403  (SeaweedFS/Azurit
 
 
 def pytest_collection_modifyitems(config, items):
-    # The modules sharing ``local_cluster`` run one after another (each keeps its order):
-    # a module that starts no cluster or its own in between made the next one start a
-    # fresh cluster (~7 s each).
+    # The modules sharing ``local_cluster`` run one after another, after the others (each
+    # keeps its order): a module that starts no cluster or its own in between made the
+    # next one start a fresh cluster (~7 s each). Last, not first: their node-loss tests
+    # race a node added back against the run's end, and the suite's first minutes are its
+    # busiest (the tests without Ray start their storage servers then).
     shared = {item.path for item in items if "local_cluster" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: item.path not in shared)
+    items.sort(key=lambda item: item.path in shared)
     try:
         import torch
 
