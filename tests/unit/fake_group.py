@@ -194,10 +194,14 @@ class FakeGroup:
         rec = ReportRecord(index=w.index, rank=w.rank, epoch=w.epoch, ts=time.time(), metrics={"step": w.index})
         if self._checkpoint_every and w.index % self._checkpoint_every == 0 and w.rank == 0:
             rel = checkpoint_rel(self._run_rel, w.index, w.epoch)
-            data = f"state at {w.index}".encode()
-            self._storage.write_bytes(f"{rel}/state.bin", data)
-            rec.checkpoint_rel, rec.files = rel, [["state.bin", len(data), f"crc32:{zlib.crc32(data):08x}"]]
+            rec.checkpoint_rel, rec.files = rel, self._write_state(rel, f"state at {w.index}")
         return rec
+
+    def _write_state(self, rel: str, text: str) -> list:
+        """A one-file checkpoint directory ``rel``; returns its manifest's file list."""
+        data = text.encode()
+        self._storage.write_bytes(f"{rel}/state.bin", data)
+        return [["state.bin", len(data), f"crc32:{zlib.crc32(data):08x}"]]
 
     def wait_for_dead_peer(self, others: Sequence[WorkerHandle], grace_s: float):
         self.dead_peer_graces.append(grace_s)
@@ -236,10 +240,8 @@ class FakeGroup:
     def persist_snapshot(self, m: WorkerHandle, index: int, epoch: int) -> PersistedSnapshot:
         """``m`` writes its in-memory snapshot ``index`` to storage (a leaving worker)."""
         rel = checkpoint_rel(self._run_rel, index, epoch)
-        data = f"snapshot {index} of wid {m.wid}".encode()
-        self._storage.write_bytes(f"{rel}/state.bin", data)
         self.persisted.append((m.wid, index))
-        return PersistedSnapshot(rel, [["state.bin", len(data), f"crc32:{zlib.crc32(data):08x}"]], 0.0)
+        return PersistedSnapshot(rel, self._write_state(rel, f"snapshot {index} of wid {m.wid}"), 0.0)
 
     def stop(self, members: Sequence[WorkerHandle], epoch: int, graceful: bool, abort_join_s: float) -> StopOutcome:
         self.stop_calls.append(graceful)

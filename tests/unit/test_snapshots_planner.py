@@ -4,8 +4,8 @@ each member holds, without Ray or torch."""
 from dataclasses import dataclass, field
 from typing import Dict, List
 
-from raylastic._internal.snapshots.placement import WHOLE
-from raylastic._internal.snapshots.planner import adds_shards, evacuation, plan_restore, rescue_target, union, why_storage
+from raylastic._internal.snapshots.placement import WHOLE, union
+from raylastic._internal.snapshots.planner import adds_shards, evacuation, plan_restore, rescue_target, why_storage
 
 
 @dataclass(eq=False)

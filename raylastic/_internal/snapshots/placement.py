@@ -61,6 +61,13 @@ def plan_stripes(nodes: Sequence[str]) -> Optional[List[Tuple[int, ...]]]:
     return [tuple(sorted(h)) for h in held]
 
 
+def union(a: Holding, b: Holding) -> Holding:
+    """What a copy holding ``a`` holds after merging a copy holding ``b``."""
+    if is_whole(a) or is_whole(b):
+        return WHOLE
+    return (a[0], tuple(sorted(set(a[1]) | set(b[1]))))
+
+
 def covered(holdings: Sequence[Optional[Holding]]) -> bool:
     """Do these members' holdings of one snapshot (:data:`HOLDS_NONE` for a member
     holding none of it) together cover it?"""
@@ -118,5 +125,5 @@ def held_shards(world: int, stripe: Sequence[int], rank: int) -> Tuple[int, ...]
     return tuple([rank] + sorted(mine - {rank}))
 
 
-__all__ = ["Holding", "WHOLE", "HOLDS_NONE", "is_whole", "plan_stripes", "covered",
+__all__ = ["Holding", "WHOLE", "HOLDS_NONE", "is_whole", "union", "plan_stripes", "covered",
            "restore_from_memory_possible", "shard_of_leaves", "held_shards"]

@@ -18,7 +18,9 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence, Tuple
 
 from raylastic._internal.protocol import RestoreInfo
-from raylastic._internal.snapshots.placement import WHOLE, Holding, covered, is_whole, restore_from_memory_possible
+from raylastic._internal.snapshots.placement import (
+    Holding, covered, is_whole, restore_from_memory_possible, union,
+)
 
 
 def plan_restore(members: Sequence[Any], restart_count: int, latest: Optional[Any], skip_memory: bool
@@ -101,11 +103,4 @@ def rescue_target(hung: Any, stopped: Sequence[Any]) -> Optional[Tuple[int, Any]
     return None
 
 
-def union(a: Holding, b: Holding) -> Holding:
-    """What a copy holding ``a`` holds after merging a copy holding ``b``."""
-    if is_whole(a) or is_whole(b):
-        return WHOLE
-    return (a[0], tuple(sorted(set(a[1]) | set(b[1]))))
-
-
-__all__ = ["plan_restore", "why_storage", "evacuation", "adds_shards", "rescue_target", "union"]
+__all__ = ["plan_restore", "why_storage", "evacuation", "adds_shards", "rescue_target"]

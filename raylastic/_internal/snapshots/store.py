@@ -18,7 +18,7 @@ import torch
 
 from raylastic._internal.snapshots.capture import leaves, map_leaves, nbytes
 from raylastic._internal.snapshots.persist import save_whole
-from raylastic._internal.snapshots.placement import WHOLE, Holding, is_whole
+from raylastic._internal.snapshots.placement import WHOLE, Holding, is_whole, union
 
 
 @dataclass
@@ -96,7 +96,7 @@ class SnapshotStore:
             if not any(t.is_meta for t in leaves(snap.tensors)):
                 snap.holding = WHOLE
             elif not is_whole(snap.holding) and not is_whole(holding):
-                snap.holding = (snap.holding[0], tuple(sorted(set(snap.holding[1]) | set(holding[1]))))
+                snap.holding = union(snap.holding, holding)
             snap.nbytes = nbytes(snap.tensors)
             return snap.holding
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from raylastic._internal.snapshots.capture import CopyWaiter, PendingCopy, map_leaves, nbytes, plan_copy
 from raylastic._internal.snapshots.persist import read_shards, shard_writer
-from raylastic._internal.snapshots.placement import held_shards
+from raylastic._internal.snapshots.placement import held_shards, union
 from raylastic._internal.snapshots.sharded.layout import ROOT, Chunk, dtype_of, layout_fingerprint, meta
 from raylastic._internal.snapshots.sharded.reshard import fill_from_files, reshard_from_memory
 from raylastic._internal.snapshots.store import STORE
@@ -238,7 +238,7 @@ class ShardedState(CopyWaiter):
     def _merge(self, store: Any, snap: Any, leaves: Dict[int, torch.Tensor]) -> None:
         with store._lock:  # the same lock the worker's export/merge take
             snap.tensors = map_leaves(snap.tensors, lambda j, t: leaves[j] if t.is_meta and j in leaves else t)
-            snap.holding = (snap.holding[0], tuple(sorted(set(snap.holding[1]) | set(self.holds))))
+            snap.holding = union(snap.holding, (snap.holding[0], self.holds))
             snap.nbytes = nbytes(snap.tensors)
 
     def writer(self, snap: Any) -> Optional[Callable[[str], None]]:
