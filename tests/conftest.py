@@ -6,7 +6,9 @@ at once."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import time
 
 import pytest
 
@@ -122,6 +124,27 @@ def run_dir(tmp_path):
     path = tmp_path / "results"
     path.mkdir()
     return str(path)
+
+
+@pytest.fixture
+def deepspeed():
+    """DeepSpeed, imported; skips where it is not installed. Under ``make test`` DeepSpeed's
+    build and install run beside the integration tests (the Makefile's ``deepspeed`` job),
+    which name in ``RAYLASTIC_TEST_DEEPSPEED_RC`` the file that job writes its install's
+    exit status to: wait for it (bounded), and fail, not skip, if the install failed."""
+    rc_file = os.environ.get("RAYLASTIC_TEST_DEEPSPEED_RC")
+    if rc_file:
+        deadline = time.monotonic() + 1200
+        while not os.path.exists(rc_file) and time.monotonic() < deadline:
+            time.sleep(1)
+        if not os.path.exists(rc_file):
+            pytest.fail(f"DeepSpeed's install beside the tests did not finish in 20 min ({rc_file} never appeared)")
+        with open(rc_file) as f:
+            status = f.read().strip()
+        if status != "0":
+            pytest.fail(f"DeepSpeed's install beside the tests failed (exit status {status}): see .cache/deepspeed.log")
+        importlib.invalidate_caches()  # installed after this interpreter listed site-packages
+    return pytest.importorskip("deepspeed")
 
 
 @pytest.fixture

@@ -50,11 +50,16 @@ def test_node_loss_restores_from_peer_memory_and_new_worker_gets_state(local_clu
     # (The abort frees a survivor blocked in a collective; one stuck where no abort reaches
     # it is replaced, its shards first moved to the other survivor, which then holds all
     # of it: an `evacuate` decision. hung_replacements warns with where it was stuck.)
-    assert [len(s) for s in next(e for e in events if e["kind"] == "group_formed")["stripes"]] == [2, 2, 2]
+    # (Or the restore point is a persisted snapshot, which rank 0 copies whole, and rank 0
+    # survived: seen once, the node lost at report 97 and the restore at 100, persist_every=50.)
+    formed = [e for e in events if e["kind"] == "group_formed"]
+    assert [len(s) for s in formed[0]["stripes"]] == [2, 2, 2]
+    whole_on_rank0 = restored[0]["index"] % 50 == 0 and formed[0]["nodes"][0] in formed[1]["nodes"]
     hung = hung_replacements(events)
     rescued = [e for e in events if e["kind"] == "decision" and e.get("decision") == "evacuate"]
-    assert rescued or not hung, (rescued, hung)
-    assert restored[0]["broadcast"] is True and (restored[0]["striped"] or rescued), (restored, rescued)
+    assert rescued or not hung or whole_on_rank0, (rescued, hung)
+    assert restored[0]["broadcast"] is True and (restored[0]["striped"] or rescued or whole_on_rank0), \
+        (restored, rescued)
     assert restored[1]["broadcast"] is True  # the new worker received the state from the others
     loss_resize = next(e for e in events if e["kind"] == "resize" and not e["graceful"])
     assert loss_resize["lost_steps"] <= 1, loss_resize

@@ -116,6 +116,5 @@ def test_fsdp2_resizes_3_2_3_from_peer_memory_like_a_fixed_size_run(local_cluste
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_zero_resizes_3_2_3_from_peer_memory_like_a_fixed_size_run(local_cluster, restore_nodes, run_dir,
-                                                                            tmp_path, stage):
-    pytest.importorskip("deepspeed")
+                                                                            tmp_path, stage, deepspeed):
     _elastic_run(local_cluster, run_dir, tmp_path, deepspeed_mlp, f"zero{stage}", zero_stage=stage)
