@@ -16,13 +16,16 @@ One run per (system, framework), 3 workers (min 2, max 3), this schedule:
   ``--notice-s`` deadline (a spot termination notice, Ray's DrainNode API), remove it at
   the deadline -> M steps on the smaller group -> stop.
 
-Rank 0 appends (wall time, step, world size) per step to one file; every rank appends
-its step time, RSS, snapshot bytes and snapshot stall. Measured per event:
+Rank 0 appends (wall time, step, world size) at the end of every optimizer step to one
+file; every rank appends its step time, RSS, snapshot bytes and snapshot stall. Measured
+per event:
 
 - loss_to_next_step_s: node removed -> next step completed on the smaller group
   (announced: negative when the group shrank before the node died)
 - notice_to_next_step_s (announced): notice -> next step on the smaller group
 - steps_redone: steps completed before the new group's first step that it trained again
+- training_gap_s: the old group's last step -> the new group's first (it holds one step)
+- pause_s: the gap less one steady step of the new group: how long no step ran
 - source: where the new group's state came from (raylastic: the ``checkpoint_restored``
   events' ``source``; Ray Train: what its train function loaded, or the load error)
 - snapshot stall: ``ElasticState._half.blocked_s`` per step / the steady step time
@@ -145,6 +148,7 @@ def summarize(log_dir: str, marks: Dict[str, Any], box: Dict[str, Any]) -> Dict[
             "loss_to_next_step_s": round(f["t"] - marks["t_kill"], 3),
             "steps_redone": redone(rows, f),
             "training_gap_s": gap(rows, f),
+            "pause_s": pause(rows, f),
             "resumed_at_step": f["step"],
             "train_fn_resume": source_after(marks["t_kill"]),
         }
@@ -152,7 +156,7 @@ def summarize(log_dir: str, marks: Dict[str, Any], box: Dict[str, Any]) -> Dict[
         f = marks["first_grown"]
         out["scale_up"] = {"added_to_first_step_s": round(f["t"] - marks["t_add"], 3),
                            "steps_redone": redone(rows, f), "training_gap_s": gap(rows, f),
-                           "train_fn_resume": source_after(marks["t_add"])}
+                           "pause_s": pause(rows, f), "train_fn_resume": source_after(marks["t_add"])}
     if "first_small2" in marks:
         f = marks["first_small2"]
         out["announced"] = {
@@ -161,6 +165,7 @@ def summarize(log_dir: str, marks: Dict[str, Any], box: Dict[str, Any]) -> Dict[
             "loss_to_next_step_s": round(f["t"] - marks["t_kill2"], 3),
             "steps_redone": redone(rows, f),
             "training_gap_s": gap(rows, f),
+            "pause_s": pause(rows, f),
             "train_fn_resume": source_after(marks["t_notice2"]),
         }
     stalls = [v["stall_per_step_s_median"] for v in per_rank.values() if v.get("stall_per_step_s_median") is not None]
@@ -186,6 +191,17 @@ def summarize(log_dir: str, marks: Dict[str, Any], box: Dict[str, Any]) -> Dict[
     if marks.get("terminated"):
         out["terminated"] = True
     return out
+
+
+def pause(rows: List[Dict[str, Any]], first: Dict[str, Any]) -> Optional[float]:
+    """How long no step ran: the training gap (the old group's last step -> the new
+    group's first) less one steady step of the new group (its first -> its second), the
+    part of the gap a step at that size takes anyway. None without a second step."""
+    g = gap(rows, first)
+    after = [r for r in rows if r["t"] > first["t"] and r["world"] == first["world"]]
+    if g is None or not after or after[0]["step"] != first["step"] + 1:
+        return None
+    return round(g - (after[0]["t"] - first["t"]), 3)
 
 
 def make_fit(system: str, framework: str, cfg: Dict[str, Any], storage: str, name: str,
@@ -221,6 +237,8 @@ def targets(res: Dict[str, Any], fw: str) -> Dict[str, Any]:
             "recovery_le_5s": rec is not None and rec <= 5,
             "recovery_le_tenth_of_ray_train": rec is not None and bool(ref) and rec <= ref / 10,
             "training_gap_s": a.get("training_gap_s"), "ray_train_training_gap_s": b.get("training_gap_s"),
+            "pause_s": a.get("pause_s"), "ray_train_pause_s": b.get("pause_s"),
+            "pause_le_1s": a.get("pause_s") is not None and a["pause_s"] <= 1.0,
             "steps_redone": a.get("steps_redone"), "ray_train_steps_redone": b.get("steps_redone"),
             "steps_redone_ok": a.get("steps_redone") is not None
             and a["steps_redone"] <= (1 if ev == "unannounced" else 0),
@@ -239,7 +257,7 @@ def finish(results: Dict[str, Any], frameworks: List[str], out: str) -> None:
         ranges[key] = {
             f"{ev}.{m}": _range([r.get(ev, {}).get(m) for r in reps])
             for ev in ("unannounced", "announced", "scale_up")
-            for m in ("loss_to_next_step_s", "notice_to_next_step_s", "training_gap_s", "steps_redone",
+            for m in ("loss_to_next_step_s", "notice_to_next_step_s", "training_gap_s", "pause_s", "steps_redone",
                       "added_to_first_step_s")
             if any(m in r.get(ev, {}) for r in reps)
         }
@@ -278,12 +296,14 @@ def table(results: Dict[str, Any]) -> str:
     rows = [
         ("steady step (s)", lambda r: "-" if r.get("steady_step_s") is None else f"{r['steady_step_s']:.3f}"),
         ("node lost without notice -> next step (s)", lambda r: cell(r, "unannounced", "loss_to_next_step_s", "{:.1f}")),
-        ("training paused (no notice) (s)", lambda r: cell(r, "unannounced", "training_gap_s", "{:.1f}")),
+        ("training gap (no notice) (s)", lambda r: cell(r, "unannounced", "training_gap_s", "{:.1f}")),
+        ("pause: gap less a step (no notice) (s)", lambda r: cell(r, "unannounced", "pause_s", "{:.1f}")),
         ("steps redone (no notice)", lambda r: cell(r, "unannounced", "steps_redone")),
         ("state came from (no notice)", lambda r: cell(r, "unannounced", "source")),
         ("10 s notice -> next step on 2 (s)", lambda r: cell(r, "announced", "notice_to_next_step_s", "{:.1f}")),
         ("node gone -> next step (notice) (s)", lambda r: cell(r, "announced", "loss_to_next_step_s", "{:.1f}")),
-        ("training paused (notice) (s)", lambda r: cell(r, "announced", "training_gap_s", "{:.1f}")),
+        ("training gap (notice) (s)", lambda r: cell(r, "announced", "training_gap_s", "{:.1f}")),
+        ("pause: gap less a step (notice) (s)", lambda r: cell(r, "announced", "pause_s", "{:.1f}")),
         ("steps redone (notice)", lambda r: cell(r, "announced", "steps_redone")),
         ("state came from (notice)", lambda r: cell(r, "announced", "source")),
         ("node added -> first step on 3 (s)", lambda r: cell(r, "scale_up", "added_to_first_step_s", "{:.1f}")),

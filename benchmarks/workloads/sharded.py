@@ -119,10 +119,16 @@ class _Loop:
             self.notified = True
         return bool(t[0] > 0), bool(t[1] > 0)
 
+    def step_done(self, step: int) -> None:
+        """Rank 0's ``steps.jsonl`` row, at the end of the optimizer step: before the
+        report or commit, which may end the attempt (a graceful stop raises in the commit
+        of the stop index, whose step is kept; a row written after it was missing, and
+        the measured pause then held that whole step)."""
+        if self.rank == 0:
+            _append(os.path.join(self.log_dir, "steps.jsonl"), {"t": time.time(), "step": step, "world": self.world})
+
     def log_step(self, step: int, step_s: float, extra: Dict[str, Any]) -> None:
         now = time.time()
-        if self.rank == 0:
-            _append(os.path.join(self.log_dir, "steps.jsonl"), {"t": now, "step": step, "world": self.world})
         _append(os.path.join(self.log_dir, f"stats-{self.rank}.jsonl"),
                 {"t": now, "step": step, "world": self.world, "rank": self.rank, "step_s": round(step_s, 5),
                  "rss": _rss(), **extra})
@@ -174,6 +180,7 @@ def fsdp2_bench(config: Dict[str, Any]) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
+        loop.step_done(step)
         stop, now = loop.flags()
         metrics = {"step": step, "loss": float(loss.detach()), "world_size": loop.world}
         extra: Dict[str, Any] = {}
@@ -278,6 +285,7 @@ def deepspeed_bench(config: Dict[str, Any]) -> None:
         loss = nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
+        loop.step_done(step)
         stop, now = loop.flags()
         metrics = {"step": step, "loss": float(loss.detach()), "world_size": loop.world}
         extra: Dict[str, Any] = {}

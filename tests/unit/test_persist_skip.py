@@ -158,3 +158,35 @@ def test_a_snapshot_upload_that_fails_is_skipped_only_for_an_outage(tmp_path, wo
         with pytest.raises(CheckpointError, match="could not persist checkpoint 2"):
             sess.raise_upload_error()
     t.join(5)
+
+
+def test_a_graceful_stop_never_waits_on_an_upload(tmp_path):
+    """Once the controller asked for a stop (a scale-up, a preemption notice), persisted
+    snapshots are skipped: the group re-forms from the snapshot in memory, and an upload
+    in flight would hold the stop (a rank finishes its uploads before it stops)."""
+    from raylastic.session import StopTraining
+
+    sess = _session(Storage(str(tmp_path / "store")), tmp_path, persist_every=2)
+    _set_session(sess)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ElasticState(model=model, optimizer=opt, step=0, striped=False)
+
+    def step(i):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        state.step = i
+        state.commit({"step": i})
+
+    step(1)
+    step(2)
+    sess.uploader.wait()
+    assert sess.request_stop_at(4)
+    step(3)
+    with pytest.raises(StopTraining):
+        step(4)
+    assert not sess.uploader.pending
+    records = {r.index: r for r in sess.drain()}
+    assert records[2].checkpoint_rel and records[2].files and not records[2].persist_skipped
+    assert records[4].persist_skipped == "the group stops to resize and re-forms from memory"
+    assert not records[4].checkpoint_rel and not records[4].files
