@@ -1,19 +1,65 @@
-"""Free TCP ports on 127.0.0.1 for the test servers and clusters raylastic starts."""
+"""Free TCP ports on 127.0.0.1 for the test servers and clusters raylastic starts.
+
+Why not the kernel's choice (binding port 0): it hands out a port of the *ephemeral* range
+(``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 here), which is also where every
+outgoing connection and every port-0 listener on the machine takes its local port. A port
+chosen that way and released is free only until the next connection: SeaweedFS, whose
+master, filer and S3 gateway connect to each other while they start, once found its S3
+port taken (``bind: address already in use``) with Ray and a second pytest process busy
+beside it. Ports below the ephemeral range (and above Ray's worker ports, 10002-19999) are
+never handed out automatically: one that binds now stays free until someone asks for it by
+number.
+"""
 
 from __future__ import annotations
 
+import random
 import socket
-from typing import List
+from typing import List, Tuple
+
+# Ray's default worker ports (``--min-worker-port`` / ``--max-worker-port``) end here.
+_ABOVE_RAY_WORKER_PORTS = 20000
+_TRIES_PER_PORT = 200
+
+
+def ephemeral_range() -> Tuple[int, int]:
+    """The kernel's range for automatically assigned local ports (Linux; else its default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
-    """``n`` distinct ports free right now (all sockets held open while choosing)."""
-    socks = []
+    """``n`` distinct ports free right now, outside the ephemeral range where there is room
+    (all sockets held open while choosing); the kernel's choice otherwise."""
+    lo, hi = ephemeral_range()
+    spans = [(a, b) for a, b in ((_ABOVE_RAY_WORKER_PORTS, lo - 1), (hi + 1, 65535)) if b - a >= 1000]
+    rng = random.Random()
+    socks: List[socket.socket] = []
     try:
         for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
+            for _try in range(_TRIES_PER_PORT if spans else 0):
+                a, b = rng.choice(spans)
+                try:
+                    socks.append(_bind(host, rng.randint(a, b)))
+                    break
+                except OSError:  # in use (or bound by us already): another
+                    continue
+            else:
+                socks.append(_bind(host, 0))
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
