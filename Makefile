@@ -88,22 +88,21 @@ demo: $(DSSTAMP)
 # `make test` puts on the critical path only what the integration tests (the Ray work, one
 # Ray cluster at a time) need: torch, then the lock's install beside Azurite's npm install,
 # then check-configs. Everything else runs beside the integration tests at idle scheduling
-# priority (BG: `chrt -i 0`, SCHED_IDLE), in the CPU they leave idle (about 40%, measured):
-# DeepSpeed's wheel build (from the moment torch is in) and install, the unit tests (two
-# pytest processes, then the DeepSpeed file once DeepSpeed is in), ruff and mypy (`make
-# lint). Why SCHED_IDLE and not nice: Ray runs its workers at nice 15 (RAY_worker_niceness),
-# so a job at nice 10 comes before them (the integration tests took 1,193 s beside the
-# IT_NO_RAY tests at nice 10, 978 s alone, measured 2026-11-26) and one at nice 19 still
-# gets 15/36 of a worker's share. The integration tests that start no Ray cluster (IT_NO_RAY:
-# storage servers restarting, torchrun agents, gloo ranks, with timeouts of their own) run
-# beside them at nice 15 (NICE_AS_RAY), on an equal footing with Ray's workers.
-# The ZeRO integration tests, near the end, wait for DeepSpeed's install
-# (RAYLASTIC_TEST_DEEPSPEED_RC, see tests/conftest.py). Each background job writes
+# priority (BG: `chrt -i 0`, SCHED_IDLE; nice 19 where chrt is missing), in the CPU they
+# leave idle (about 40%, measured): DeepSpeed's wheel build (from the moment torch is in) and
+# install, the unit tests (two pytest processes, then the DeepSpeed file once DeepSpeed is
+# in), ruff and mypy (`make lint`). Why SCHED_IDLE and not nice: Ray runs its workers at
+# nice 15 (RAY_worker_niceness), so a job at nice 10 comes before them (the integration
+# tests took 1,193 s beside the IT_NO_RAY tests at nice 10, 978 s alone, measured
+# 2026-11-26) and one at nice 19 still gets 15/36 of a worker's share. The integration tests
+# that start no Ray cluster (IT_NO_RAY: storage servers restarting, torchrun agents, gloo
+# ranks, with timeouts of their own) run beside them at nice 15 (NICE_AS_RAY), on an equal
+# footing with Ray's workers. The ZeRO integration tests, near the end, wait for DeepSpeed's
+# install (RAYLASTIC_TEST_DEEPSPEED_RC, see tests/conftest.py). Each background job writes
 # .cache/<job>.log and .rc; `make test` shows them after the integration tests and fails at
 # the end, naming what failed. Before (2026-11-26) the integration tests waited ~205 s from a
 # fresh clone for the installs, DeepSpeed and the unit tests; now ~80 s.
-IDLE := $(shell chrt -i 0 true >/dev/null 2>&1 && echo chrt -i 0 || echo nice -n 19)
-BG := $(IDLE)
+BG := $(shell chrt -i 0 true >/dev/null 2>&1 && echo chrt -i 0 || echo nice -n 19)
 NICE_AS_RAY := nice -n 15
 # The integration tests that start no Ray cluster (storage servers, torchrun agents, gloo
 # ranks): mostly waits on servers restarting and retries.
@@ -118,7 +117,7 @@ BG_SHOW = for j in $(1); do n=0; while [ ! -e .cache/$$j.rc ] && [ $$n -lt 2400 
 	test "$$(cat .cache/$$j.rc 2>/dev/null)" = 0 || { echo "$$j FAILED: see its output above"; rc=1; }; done
 UNIT_PYTEST := $(PY) -m pytest -q -ra --durations=8 -p no:cacheprovider
 test:
-	@mkdir -p .cache; rm -f .cache/lint-failed .cache/*.rc
+	@mkdir -p .cache; rm -f .cache/*.rc
 	@$(MAKE) --no-print-directory $(TORCHED)
 	@$(call BG_JOB,deepspeed-wheel,$(MAKE) --no-print-directory $(DSWHEEL))
 	@$(MAKE) --no-print-directory -j3 $(STAMP) $(AZURITE) check-configs
@@ -128,15 +127,13 @@ test:
 		cat .cache/deepspeed-wheel.log; test "$$(cat .cache/deepspeed-wheel.rc)" = 0 && \
 		$(MAKE) --no-print-directory $(DSSTAMP); r=$$?; echo $$r >.cache/deepspeed-installed.rc; \
 		test $$r = 0 && $(UNIT_PYTEST) $(UNIT_DS))
-	@($(BG) $(MAKE) --no-print-directory lint >.cache/lint.log 2>&1 || touch .cache/lint-failed) & lint=$$!; \
-	$(NICE_AS_RAY) $(PY) -m pytest -q -ra -p no:cacheprovider $(IT_NO_RAY) >.cache/it-no-ray.log 2>&1 & noray=$$!; \
+	@$(call BG_JOB,lint,$(MAKE) --no-print-directory lint)
+	@$(NICE_AS_RAY) $(PY) -m pytest -q -ra -p no:cacheprovider $(IT_NO_RAY) >.cache/it-no-ray.log 2>&1 & noray=$$!; \
 	RAYLASTIC_TEST_DEEPSPEED_RC=.cache/deepspeed-installed.rc \
 	$(PY) -m pytest -q -ra --durations=15 --ignore=tests/unit $(addprefix --ignore=,$(IT_NO_RAY)) tests; rc=$$?; \
 	wait $$noray; noray=$$?; echo "== integration tests without Ray (beside the others): $(IT_NO_RAY)"; \
 	cat .cache/it-no-ray.log; test $$noray -eq 0 || rc=1; \
-	wait $$lint; echo "== make lint (beside the integration tests)"; cat .cache/lint.log; \
-	$(call BG_SHOW,unit-slow unit-rest deepspeed); \
-	if [ -e .cache/lint-failed ]; then echo "make lint FAILED: see its output above"; rc=1; fi; exit $$rc
+	$(call BG_SHOW,lint unit-slow unit-rest deepspeed); exit $$rc
 
 test-unit: $(DSSTAMP)
 	$(PY) -m pytest -q tests/unit

@@ -157,12 +157,13 @@ class Session:
         started now would hold the whole resize (~1.3 s of a 10 s notice at 51.6M
         parameters, measured). The next group persists again at its next boundary.
         """
-        busy = bool(self.async_upload and self.uploader is not None and self.uploader.pending)
-        self._skip_next = "the previous upload was still running" if busy else None
-        if not busy and self.async_upload and self.stop_requested:
-            busy = True
-            self._skip_next = "the group stops to resize and re-forms from memory"
-        return busy
+        why = None
+        if self.async_upload and self.uploader is not None and self.uploader.pending:
+            why = "the previous upload was still running"
+        elif self.async_upload and self.stop_requested:
+            why = "the group stops to resize and re-forms from memory"
+        self._skip_next = why
+        return why is not None
 
     def _next_record(self, metrics: Dict[str, Any]) -> ReportRecord:
         if self._abort.is_set():
