@@ -247,12 +247,16 @@ def _log(log_dir: str, kind: str | None = None, **match) -> list[dict]:
 def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
         clusters, servers, tmp_path):
     cluster = clusters.get()
-    run, every, total = "killed-upload", 5, 60  # 10 checkpoints to catch one in flight (a loaded box)
+    # 2 s between checkpoints: an upload must finish (and its checkpoint commit) before the
+    # next one, or the test never finds "previous committed, this one in flight". On a box
+    # busy beside the tests a 48 MB upload took ~3 s, every report waited on the previous
+    # upload, and no checkpoint of 12 qualified; 24 MB still takes long enough to catch.
+    run, every, total = "killed-upload", 10, 60
     uri = servers.s3.uri(f"e2e-{uuid.uuid4().hex[:8]}")
     log_dir = str(tmp_path / "log")
     os.makedirs(log_dir)
     cfg = {"total_steps": total, "checkpoint_every": every, "step_sleep_s": 0.2, "log_dir": log_dir,
-           "shard_bytes": {1: 48 * MB}}  # rank 1's upload takes a while; rank 0's is small
+           "shard_bytes": {1: 24 * MB}}  # rank 1's upload takes a while; rank 0's is small
     trainer = _trainer(cfg, _run_config(run, uri, failure_config=FailureConfig(max_failures=0),
                                         checkpoint_config=CheckpointConfig(num_to_keep=2)))
     storage = Storage(uri)
