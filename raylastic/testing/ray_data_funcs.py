@@ -2,7 +2,7 @@
 workers import them by reference).
 
 ``ids_ddp``: a tiny DDP model over a dataset with an ``id`` column; every rank appends,
-per step, the ids it trained to ``<log_dir>/<m_epoch>-<rank>.jsonl``, with the step
+per step and before the step's all-reduce, the ids it trains to ``<log_dir>/<m_epoch>-<rank>.jsonl``, with the step
 counter that is restored with the state, so a test can rebuild which rows the final
 model's history trained. ``checkpoint="state"`` keeps state in ``ElasticState``
 (snapshot every step); ``"report"`` has rank 0 write a checkpoint through
@@ -46,16 +46,20 @@ def ids_ddp(config: Dict[str, Any]) -> None:
     while shard.position().epoch < config["epochs"]:
         for batch in shard.iter_torch_batches(batch_size=config["batch_size"], dtypes=torch.float32):
             ids = batch["id"]
-            opt.zero_grad()
-            ddp(ids.view(-1, 1) / 1000.0).sum().backward()
-            opt.step()
-            pos = shard.position()
+            pos = shard.position()  # moved on when the batch was yielded
             step = (state.step if state else step) + 1
+            # Logged before the all-reduce: a rank whose node dies after it (the step
+            # counts) has its row; one that dies before it leaves a row past the step the
+            # next group restores, which a test drops. Which ids a rank gets depends on the
+            # dataset's block order, so a test cannot fill in a missing row.
             log.write(json.dumps({"m_epoch": ctx.get_membership_epoch(), "rank": ctx.get_world_rank(),
                                   "world": ctx.get_world_size(), "step": step,
                                   "epoch": pos.epoch - 1 if pos.rows == 0 else pos.epoch,
                                   "ids": [int(i) for i in ids.tolist()]}) + "\n")
             log.flush()
+            opt.zero_grad()
+            ddp(ids.view(-1, 1) / 1000.0).sum().backward()
+            opt.step()
             time.sleep(config.get("step_sleep_s", 0.0))
             if state is not None:
                 state.step = step

@@ -35,7 +35,9 @@ def test_harness_measures_a_watched_group_and_its_recovery():
     steady = r["steady"]
     assert steady["partial_polls"] > steady["polls"] >= 1, steady  # mostly rank 0 only
     assert 0 < steady["controller_process_cpu_share"] and steady["poll_rtt_ms_median"] > 0, steady
-    assert steady["event_log_bytes_per_min"] > 0, steady
+    # Bytes in the 3 s window can be 0 on a loaded box (rank 0 reported nothing then: seen
+    # once with the unit tests and DeepSpeed's build beside it); over the run they cannot.
+    assert steady["event_log_bytes_per_min"] >= 0 and r["event_log_bytes_total"] > 0, (steady, r)
     loss = r["loss"]
     assert loss["workers_lost"] == 1, loss
     for key in ("to_decision_s", "to_resize_s", "to_group_formed_s", "to_training_started_s", "setup_s"):

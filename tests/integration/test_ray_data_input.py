@@ -144,26 +144,16 @@ def test_ray_regression_example_survives_a_node_loss_and_a_scale_up(three_nodes,
 
 def _effective(log_dir):
     """Per membership epoch, the lines of steps the final history kept: a group's steps
-    after the point the next group restored from were rolled back and redone. A rank whose
-    node died after the step's all-reduce (the step counted) may not have logged it: its
-    rows are filled in from the other ranks' (ids are row indices here)."""
+    after the point the next group restored from were rolled back and redone. Ranks log a
+    step before its all-reduce (``ids_ddp``), so a rank whose node died after it has its
+    row, and one that died before it only rows the next group rolled back."""
     lines = [json.loads(l) for f in glob.glob(os.path.join(log_dir, "*.jsonl")) for l in open(f)]
     groups = sorted({r["m_epoch"] for r in lines})
     first = {m: min(r["step"] for r in lines if r["m_epoch"] == m) for m in groups}
     kept = []
     for i, m in enumerate(groups):
         until = first[groups[i + 1]] if i + 1 < len(groups) else float("inf")
-        mine = [r for r in lines if r["m_epoch"] == m and r["step"] < until]
-        kept += mine
-        if not mine or i + 1 == len(groups):
-            continue
-        last = max(r["step"] for r in mine)
-        at_last = [r for r in mine if r["step"] == last]
-        world = at_last[0]["world"]
-        ref = at_last[0]
-        g = ref["ids"][0] - ref["rank"] * B
-        for rank in sorted(set(range(world)) - {r["rank"] for r in at_last}):
-            kept.append(dict(ref, rank=rank, ids=list(range(g + rank * B, g + (rank + 1) * B)), filled=True))
+        kept += [r for r in lines if r["m_epoch"] == m and r["step"] < until]
     return kept, lines
 
 
