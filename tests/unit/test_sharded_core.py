@@ -137,6 +137,7 @@ def _phase(rank, world, phase, d):
     from raylastic._internal.snapshots.sharded.fsdp2 import FSDP2Adapter
     from raylastic._internal.snapshots.sharded.layout import Chunk
     from raylastic._internal.snapshots.sharded.reshard import fill_from_files, reshard_from_memory
+    from raylastic._internal.snapshots.transport import Transport
     m, opt = _build()
     ad = FSDP2Adapter(m, opt)
     if phase == "save":  # 2 ranks, 3 steps: every rank keeps its pieces
@@ -150,7 +151,7 @@ def _phase(rank, world, phase, d):
         if phase == "memory":  # old shard s held by new rank s; rank 2 holds a copy of shard 1, rank 0 none
             held = {s: old[s]["tensors"] for s in old if (rank == 1 and s == 1) or (rank == 2 and s in (0, 1))}
             layout = {s: [Chunk.of(c) for c in old[s]["chunks"]] for s in old}
-            plain = reshard_from_memory(dist.group.WORLD, targets, layout if held else None, held,
+            plain = reshard_from_memory(Transport.training(), targets, layout if held else None, held,
                                           old[0]["plain"] if held else None)
         else:
             fill_from_files(targets, old)

@@ -122,11 +122,12 @@ def _reshard(engine, shards: List[Dict[str, Any]], held: List[int]) -> None:
 
     from raylastic._internal.snapshots.sharded.layout import Chunk
     from raylastic._internal.snapshots.sharded.reshard import reshard_from_memory
+    from raylastic._internal.snapshots.transport import Transport
     from raylastic._internal.snapshots.sharded.deepspeed import DeepSpeedAdapter
     adapter = DeepSpeedAdapter(engine)
     layout = {s: [Chunk.of(c) for c, _t in sh["pieces"]] for s, sh in enumerate(shards)}
     mine = {s: [t for _c, t in shards[s]["pieces"]] for s in held}
-    plain = reshard_from_memory(dist.group.WORLD, adapter.restore_targets(), layout, mine, shards[0]["plain"])
+    plain = reshard_from_memory(Transport.training(), adapter.restore_targets(), layout, mine, shards[0]["plain"])
     adapter.finish_restore(plain)
 
 

@@ -12,8 +12,9 @@ from the persisted checkpoint when memory is not enough). Follow one snapshot th
   background until the next ``optimizer.step()``; the state-dict tree walk;
 - ``placement``: which rank holds which shards (pure functions of the group: no torch,
   the controller imports it);
-- ``transport``: moving tensors between workers during training and restores (the gloo
-  side group, broadcasts over the training group). The fourth route, a worker's shards
+- ``transport``: moving tensors between workers during training and restores, through
+  one interface, :class:`~transport.Transport` (send / recv / broadcast / gather), over
+  the gloo side group or the training group. The fourth route, a worker's shards
   sent to another worker through Ray (evacuation before a drain, rescuing a hung
   worker), is made of actor calls: ``TrainWorker.export_snapshot`` / ``merge_snapshot``
   (``worker_group/worker.py``) into :meth:`store.SnapshotStore.merge`;

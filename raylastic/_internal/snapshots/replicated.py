@@ -28,7 +28,7 @@ from raylastic._internal.snapshots.capture import (
 from raylastic._internal.snapshots.persist import whole_writer
 from raylastic._internal.snapshots.placement import HOLDS_NONE, WHOLE, Holding, covered, is_whole
 from raylastic._internal.snapshots.store import STORE, Snapshot
-from raylastic._internal.snapshots.transport import broadcast, collective_device
+from raylastic._internal.snapshots.transport import Transport
 
 
 class ReplicatedState:
@@ -122,12 +122,13 @@ def assemble(index: int, tensors: Optional[Any], plain: Optional[Dict[str, Any]]
     snapshot ``index``. ``tensors``/``plain``: this rank's copy (None when it holds
     none); ``holding``: which shards it holds (``WHOLE`` for a full copy). Returns
     (full tensors, plain state)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    tr = Transport.training()
+    world, rank = tr.world, tr.rank
     mine = holding if tensors is not None else HOLDS_NONE
     # Every check below is made on the same gathered facts by every rank, so all raise
     # together (none is left waiting in a broadcast for a rank that gave up).
-    everyone: List[Any] = [None] * world  # per rank: [what it holds, its tree's fingerprint]
-    dist.all_gather_object(everyone, [mine, fingerprint(tensors) if tensors is not None else None])
+    # per rank: [what it holds, its tree's fingerprint]
+    everyone = tr.gather([mine, fingerprint(tensors) if tensors is not None else None])
     holdings: List[Optional[Holding]] = [h for h, _fp in everyone]
     problem = None
     if len({fp for h, fp in everyone if h is not HOLDS_NONE}) > 1:
@@ -135,16 +136,14 @@ def assemble(index: int, tensors: Optional[Any], plain: Optional[Dict[str, Any]]
     elif not covered(holdings):
         problem = f"the ranks' shards {holdings} do not cover the state"
     if problem is not None:
-        dist.barrier()  # no rank tears the group down while another still reads the gather
+        tr.barrier()  # no rank tears the group down while another still reads the gather
         raise RuntimeError(f"snapshot {index}: {problem}")
     ref = min(r for r, h in enumerate(holdings) if h is not HOLDS_NONE)
-    box: List[Any] = [{"plain": plain, "skeleton": to_meta(tensors)} if rank == ref else None]
-    dist.broadcast_object_list(box, src=ref)
-    skeleton = box[0]["skeleton"]
+    shared = tr.share({"plain": plain, "skeleton": to_meta(tensors)} if rank == ref else None, ref)
+    skeleton = shared["skeleton"]
     masks = [None if h is HOLDS_NONE else (keep_mask(skeleton, h) or [True] * len(leaves(skeleton)))
              for h in holdings]
     own = leaves(tensors) if tensors is not None else None
-    device = collective_device()
 
     def fill(j: int, meta: torch.Tensor) -> torch.Tensor:
         holders = [r for r, m in enumerate(masks) if m is not None and m[j]]
@@ -153,11 +152,11 @@ def assemble(index: int, tensors: Optional[Any], plain: Optional[Dict[str, Any]]
             assert own is not None  # a rank that holds leaf j has its tensors
             if len(holders) == world:
                 return own[j]
-            return broadcast(own[j], meta, holders[0], device)
-        return broadcast(None, meta, holders[0], device)
+            return tr.broadcast(own[j], meta, holders[0])
+        return tr.broadcast(None, meta, holders[0])
 
     full = map_leaves(skeleton, fill)
-    return full, (plain if plain is not None else box[0]["plain"])
+    return full, (plain if plain is not None else shared["plain"])
 
 
 __all__ = ["ReplicatedState", "assemble"]

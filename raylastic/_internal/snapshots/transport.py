@@ -1,21 +1,26 @@
 """Transport: moving snapshot tensors between workers.
 
-Why one module: the routes differ in who runs them and on which group, and each has
-reasons that are easy to break from elsewhere:
+One interface, :class:`Transport` (torchft's ``CheckpointTransport`` idea: the copy code
+says which piece goes where, the transport how it travels): tagged point-to-point
+``send`` / ``recv``, ``broadcast`` from one holder, and small facts gathered or shared. Two
+groups stand behind it:
 
-- **peer copies during training** (:class:`PeerExchange`): a sharded rank's own shard to
-  the ranks that back it up, over a gloo group of its own (:func:`side_group`), in a
+- :meth:`Transport.side`, a gloo group of its own over the whole training group, moving
+  host tensors. Used for the **peer copies during training** (:class:`PeerExchange`, in a
   thread of its own: never on the training thread or the training group, where a
-  collective from another thread would interleave with the training's own;
-- **broadcasts on a replicated restore** (:func:`broadcast`): over the training group
-  (NCCL moves CUDA tensors only, so pieces are staged on the device and back);
-- **point-to-point on a sharded restore**: ``sharded.reshard.reshard_from_memory`` sends
-  each old piece to the ranks whose new boxes overlap it, over the side group;
-- **through Ray**, between actors (evacuation before a drain, a hung worker's shards):
-  ``TrainWorker.export_snapshot`` / ``merge_snapshot`` and ``SnapshotStore.merge``.
+  collective from another thread would interleave with the training's own) and for the
+  **point-to-point sends of a sharded restore** (``sharded.reshard.reshard_from_memory``
+  sends each old piece to the ranks whose new boxes overlap it), whatever the training
+  backend is;
+- :meth:`Transport.training`, the training group itself. Used for the **broadcasts of a
+  replicated restore** (``replicated.assemble``); NCCL moves CUDA tensors only, so pieces
+  are staged on the device and back.
 
-The first three are torch.distributed calls and live here or next to the arithmetic
-that decides what to send; the fourth is actor calls made by the worker group.
+The fourth route moves whole snapshots **through Ray**, between actors that share no
+group with the receiver: evacuation before a drain and a hung worker's shards
+(``TrainWorker.export_snapshot`` / ``merge_snapshot`` and ``SnapshotStore.merge``). It is not
+a :class:`Transport`: its sender may be outside every group, so the worker group drives it
+with actor calls.
 """
 
 from __future__ import annotations
@@ -31,11 +36,69 @@ import torch.distributed as dist
 from raylastic._internal.distributed.process_group import untracked
 
 
-def side_group(timeout_s: float) -> Any:
-    """A gloo group over the whole training group, for host tensors moved off the training
-    thread (peer copies) or whatever the training backend is (restores)."""
-    with untracked():  # its transfers finish or fail on their own; an abort does not cut them
-        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, 10)))
+class Transport:
+    """Moves tensors and small facts between the ranks of one ``torch.distributed`` group.
+    Every method but :meth:`send` / :meth:`recv` is a collective over the group; sends and
+    receives pair up by (peer, tag). Every group here spans the whole training group, so
+    its ranks are the training group's (what torch's p2p and broadcast calls take)."""
+
+    def __init__(self, group: Any = None):
+        self.group = group  # None: the training (default) group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        # gloo moves host tensors; the training group's backend decides for it
+        self.device = torch.device("cpu") if group is not None else collective_device()
+
+    @classmethod
+    def side(cls, timeout_s: float) -> "Transport":
+        """Over a new gloo group of the whole training group (collective: every rank calls
+        it): host tensors, moved off the training thread or whatever the backend is."""
+        with untracked():  # its transfers finish or fail on their own; an abort does not cut them
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, 10)))
+        return cls(group)
+
+    @classmethod
+    def training(cls) -> "Transport":
+        return cls(None)
+
+    def gather(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, in rank order (pickled: small facts only)."""
+        everyone: List[Any] = [None] * self.world
+        dist.all_gather_object(everyone, obj, group=self.group)
+        return everyone
+
+    def share(self, obj: Any, src: int) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (pickled: small facts only)."""
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def send(self, t: torch.Tensor, dst: int, tag: int) -> Any:
+        """Start sending host tensor ``t`` to rank ``dst``; returns the work to :meth:`wait` on."""
+        return dist.isend(t.contiguous(), dst=dst, group=self.group, tag=tag)
+
+    def recv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
+        """Start receiving into host tensor ``buf`` from rank ``src``."""
+        return dist.irecv(buf, src=src, group=self.group, tag=tag)
+
+    @staticmethod
+    def wait(works: Sequence[Any]) -> None:
+        for w in works:
+            assert w is not None  # None only for a rank outside the group
+            w.wait()
+
+    def broadcast(self, t: Optional[torch.Tensor], meta: torch.Tensor, src: int) -> torch.Tensor:
+        """Send ``t`` (on rank ``src``) or receive into a new host tensor shaped like ``meta``."""
+        if self.device.type == "cpu":
+            t = t if t is not None else torch.empty(meta.shape, dtype=meta.dtype)
+            dist.broadcast(t, src=src, group=self.group)
+            return t
+        staged = t.to(self.device) if t is not None else torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        dist.broadcast(staged, src=src, group=self.group)
+        return t if t is not None else staged.cpu()
 
 
 class PeerExchange:
@@ -45,11 +108,12 @@ class PeerExchange:
     another thread would interleave with the training's own). Snapshots are exchanged in
     commit order; every rank commits the same snapshots, so sends and receives pair up.
     A peer that dies mid-exchange fails it (connection closed, or the group timeout): the
-    snapshot then holds only this rank's own shard, which the controller sees."""
+    snapshot then holds only this rank's own shard, which the controller sees. ``transport``:
+    :meth:`Transport.side`'s, used from this thread only."""
 
-    def __init__(self, group: Any, rank: int, held: Sequence[Sequence[int]]):
-        self._group = group
-        self._rank = rank
+    def __init__(self, transport: Transport, held: Sequence[Sequence[int]]):
+        self._transport = transport
+        self._rank = transport.rank
         # shards each rank holds (its own first); rank r sends shard r to every q holding it
         self.held = [tuple(h) for h in held]
         self._q: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
@@ -80,21 +144,19 @@ class PeerExchange:
         """Send ``own`` to every receiver, receive into ``incoming[src]`` (host tensors).
         Tags carry the snapshot index: a peer that skipped a snapshot can only stall this
         exchange (the group timeout fails it), never fill it with another step's shard."""
-        works = []
+        tr, works = self._transport, []
         base = (index % 4096) * 100_000
         if len(own) >= 100_000 or any(len(b) >= 100_000 for b in incoming.values()):
             raise ValueError("more than 100,000 sharded tensors per rank")
         for dst in self.receivers():
             for j, t in enumerate(own):
                 if t.numel():
-                    works.append(dist.isend(t, dst=dst, group=self._group, tag=base + j))
+                    works.append(tr.send(t, dst, base + j))
         for src, bufs in incoming.items():
             for j, t in enumerate(bufs):
                 if t.numel():
-                    works.append(dist.irecv(t, src=src, group=self._group, tag=base + j))
-        for w in works:
-            assert w is not None  # None only for a rank outside the group
-            w.wait()
+                    works.append(tr.recv(t, src, base + j))
+        tr.wait(works)
 
 
 def collective_device() -> torch.device:
@@ -104,15 +166,4 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def broadcast(t: Optional[torch.Tensor], meta: torch.Tensor, src: int, device: torch.device) -> torch.Tensor:
-    """Send ``t`` (the source) or receive into a new host tensor shaped like ``meta``."""
-    if device.type == "cpu":
-        t = t if t is not None else torch.empty(meta.shape, dtype=meta.dtype)
-        dist.broadcast(t, src=src)
-        return t
-    staged = t.to(device) if t is not None else torch.empty(meta.shape, dtype=meta.dtype, device=device)
-    dist.broadcast(staged, src=src)
-    return t if t is not None else staged.cpu()
-
-
-__all__ = ["PeerExchange", "side_group", "broadcast", "collective_device"]
+__all__ = ["Transport", "PeerExchange", "collective_device"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, check_fits, dtype_of, fill, overlap
+from raylastic._internal.snapshots.transport import Transport
 
 
 def _fill_targets(targets: Sequence[Piece], pieces: Sequence[Piece], counts: List[int]) -> None:
@@ -18,20 +18,20 @@ def _fill_targets(targets: Sequence[Piece], pieces: Sequence[Piece], counts: Lis
         counts[i] += fill(c, t, pieces)
 
 
-def reshard_from_memory(group: Any, targets: Sequence[Piece], layout: Optional[Mapping[int, List[Chunk]]],
+def reshard_from_memory(transport: Transport, targets: Sequence[Piece],
+                        layout: Optional[Mapping[int, List[Chunk]]],
                         held: Mapping[int, Sequence[torch.Tensor]], plain: Optional[Dict[str, Any]]
                         ) -> Dict[str, Any]:
-    """Collective over ``group``: fill every rank's ``targets`` from the old shards the
-    members hold. ``layout``: old shard -> its chunks (None on a rank holding nothing);
+    """Collective over ``transport``'s group (host tensors: the side group): fill every
+    rank's ``targets`` from the old shards the members hold. ``layout``: old shard -> its chunks (None on a rank holding nothing);
     ``held``: old shard -> this rank's host tensors of it. Returns the snapshot's plain
     state (from the lowest holder). Raises ValueError on every rank alike when the old
     state does not fit or the holders do not cover it."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = transport.world, transport.rank
     mine = {"held": sorted(held), "targets": [c.as_tuple() for c, _t in targets],
             "layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()} if layout else None,
             "plain": plain if held else None}
-    everyone: List[Any] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = transport.gather(mine)
     ref = next((e for e in everyone if e["held"]), None)
     problem = None
     if ref is None:
@@ -70,15 +70,13 @@ def reshard_from_memory(group: Any, targets: Sequence[Piece], layout: Optional[M
                     _fill_targets(targets, [(c, t)], counts)
                 for q in need:
                     if q != rank and c.numel():
-                        works.append(dist.isend(t.contiguous(), dst=q, group=group, tag=j))
+                        works.append(transport.send(t, q, j))
             elif rank in need:
                 buf = torch.empty(c.sizes, dtype=dtype_of(c.dtype))
                 if c.numel():
-                    works.append(dist.irecv(buf, src=h, group=group, tag=j))
+                    works.append(transport.recv(buf, h, j))
                 received.append((c, buf))
-        for w in works:
-            assert w is not None  # None only for a rank outside the group
-            w.wait()
+        transport.wait(works)
         _fill_targets(targets, received, counts)
     short = [(c.key, n, c.numel()) for (c, _t), n in zip(targets, counts) if n < c.numel()]
     if short:  # cannot happen after check_fits; a guard against silent partial loads

@@ -36,7 +36,7 @@ from raylastic._internal.snapshots.placement import held_shards, union
 from raylastic._internal.snapshots.sharded.layout import ROOT, Chunk, dtype_of, layout_fingerprint, meta
 from raylastic._internal.snapshots.sharded.reshard import fill_from_files, reshard_from_memory
 from raylastic._internal.snapshots.store import STORE
-from raylastic._internal.snapshots.transport import PeerExchange, side_group
+from raylastic._internal.snapshots.transport import PeerExchange, Transport
 
 logger = logging.getLogger("raylastic")
 
@@ -56,18 +56,15 @@ class ShardedState(CopyWaiter):
         self._store = store
         self.rank, self.world = rank, world
         self.overlap = overlap
-        self._group = None
+        self._side: Optional[Transport] = None
         self._exchange: Optional[PeerExchange] = None
         self._layout: Optional[Dict[int, List[Chunk]]] = None
         self._local_fp: Optional[str] = None
         if dist.is_initialized() and world > 1:
             # Its own gloo group: peer copies run in a background thread and the restore
             # moves host tensors whatever the training backend is (NCCL moves CUDA only).
-            self._group = side_group(spec.timeout_s)
-            mine = held_shards(world, stripe, rank)
-            everyone: List[Any] = [None] * world
-            dist.all_gather_object(everyone, mine, group=self._group)
-            self._exchange = PeerExchange(self._group, rank, everyone)
+            self._side = Transport.side(spec.timeout_s)
+            self._exchange = PeerExchange(self._side, self._side.gather(held_shards(world, stripe, rank)))
         self.holds = held_shards(world, stripe, rank)
         if overlap:  # the optimizer's next step waits for the copy of the own shard
             adapter.optimizer.register_step_pre_hook(lambda _o, _a, _k: self.wait())
@@ -89,13 +86,13 @@ class ShardedState(CopyWaiter):
             held.update({int(s): [] for s, ts in tree.items() if not ts})  # a shard with no pieces
             plain = snap.plain
         targets = self.adapter.restore_targets()
-        if self._group is None and not dist.is_initialized():
+        if self._side is None and not dist.is_initialized():
             if not held or layout is None or set(held) != set(layout):
                 raise ValueError("this single process does not hold every shard of the snapshot")
             fill_from_files(targets, {s: {"chunks": [c.as_tuple() for c in layout[s]], "tensors": held[s]} for s in held})
         else:
-            group = self._group if self._group is not None else dist.group.WORLD
-            plain = reshard_from_memory(group, targets, layout, held, plain)
+            transport = self._side if self._side is not None else Transport.training()  # one rank
+            plain = reshard_from_memory(transport, targets, layout, held, plain)
         assert plain is not None  # held shards came with the snapshot's plain; reshard returns it
         self.adapter.finish_restore(plain[ROOT]["adapter"])
         return plain, (snap.rng if snap is not None else {})  # a survivor keeps its RNG streams
@@ -120,8 +117,7 @@ class ShardedState(CopyWaiter):
         if dist.is_initialized() and self.world > 1:
             # Every rank restores from the same checkpoint here (collective): the saved
             # state is checked against the whole group's pieces, before any file is read.
-            gathered: List[Any] = [None] * self.world
-            dist.all_gather_object(gathered, [c.as_tuple() for c in everyone])
+            gathered = Transport.training().gather([c.as_tuple() for c in everyone])
             everyone = [Chunk.of(t) for cs in gathered for t in cs]
         files = read_shards(directory, layout, blob.get("tensors", {}).get(ROOT))
         fill_from_files(targets, files, everyone)
@@ -134,11 +130,7 @@ class ShardedState(CopyWaiter):
             # Every rank gets here at the same commit (SPMD: optimizer state appears on the
             # same step everywhere); over the training group, from the training thread.
             mine = [c.as_tuple() for c in chunks]
-            if dist.is_initialized() and self.world > 1:
-                everyone: List[Any] = [None] * self.world
-                dist.all_gather_object(everyone, mine)
-            else:
-                everyone = [mine]
+            everyone = Transport.training().gather(mine) if dist.is_initialized() and self.world > 1 else [mine]
             self._layout = {s: [Chunk.of(t) for t in cs] for s, cs in enumerate(everyone)}
             self._local_fp = fp
         return self._layout
