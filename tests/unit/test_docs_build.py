@@ -17,7 +17,7 @@ def test_mkdocs_build_strict(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(REPO / "mkdocs.yml"),
          "--site-dir", str(tmp_path / "site")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO, capture_output=True, text=True, timeout=400,
     )
     out = proc.stdout + proc.stderr
     assert "No module named mkdocs" not in out, (

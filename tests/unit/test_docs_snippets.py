@@ -447,7 +447,7 @@ def test_train_func_block_runs_on_one_rank(block: Block, tmp_path):
     runner = tmp_path / "run_one_rank.py"
     runner.write_text(RUN_ONE_RANK, encoding="utf-8")
     proc = subprocess.run([sys.executable, str(runner), str(snippet)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=400)
     assert proc.returncode == 0 and "SNIPPET_OK" in proc.stdout, f"{block.where()}:\n{proc.stdout}{proc.stderr}"
 
 

@@ -286,7 +286,7 @@ def test_ray_lightning_prepare_trainer_is_routed_to_raylastic():
             "import ray.train.lightning._lightning_utils as u\n"
             "assert prepare_trainer is u.prepare_trainer and hasattr(prepare_trainer, '__wrapped__')\n"
             "assert prepare_trainer.__module__ == 'ray.train.lightning._lightning_utils'\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=400)
 
 
 def test_unsupported_fits_fall_back_to_restarts_when_asked(caplog):

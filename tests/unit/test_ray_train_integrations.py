@@ -29,7 +29,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_worker_install_makes_ray_train_torch_reachable():
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
 
@@ -62,6 +62,6 @@ def test_ray_train_api_is_routed_when_the_train_function_first_imports_it():
     """A worker routes Ray Train's API to the attempt's session only once ``ray.train`` is
     imported (~0.9 s of CPU per worker process that a raylastic train function never
     needs): at the import, inside the running attempt."""
-    proc = subprocess.run([sys.executable, "-c", _LAZY], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _LAZY], capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")

@@ -394,7 +394,7 @@ def test_a_module_workers_cannot_import_is_shipped_by_value(tmp_path, monkeypatc
         cloudpickle.unregister_pickle_by_value(my_train_mod)
         sys.modules.pop("my_train_mod", None)
     code = "import sys, pickle; f = pickle.loads(sys.stdin.buffer.read()); print(f({'x': 2}))"
-    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, cwd=str(tmp_path), timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, cwd=str(tmp_path), timeout=400)
     assert out.stdout.strip() == b"6", out.stderr.decode()[-2000:]
     assert not ship_by_value(os.path.join)  # the standard library
     assert not ship_by_value(ray.train.report)  # an installed package's module
