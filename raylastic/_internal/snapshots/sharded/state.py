@@ -60,12 +60,12 @@ class ShardedState(CopyWaiter):
         self._exchange: Optional[PeerExchange] = None
         self._layout: Optional[Dict[int, List[Chunk]]] = None
         self._local_fp: Optional[str] = None
+        self.holds = held_shards(world, stripe, rank)
         if dist.is_initialized() and world > 1:
             # Its own gloo group: peer copies run in a background thread and the restore
             # moves host tensors whatever the training backend is (NCCL moves CUDA only).
             self._side = Transport.side(spec.timeout_s)
-            self._exchange = PeerExchange(self._side, self._side.gather(held_shards(world, stripe, rank)))
-        self.holds = held_shards(world, stripe, rank)
+            self._exchange = PeerExchange(self._side, self._side.gather(self.holds))
         if overlap:  # the optimizer's next step waits for the copy of the own shard
             adapter.optimizer.register_step_pre_hook(lambda _o, _a, _k: self.wait())
 
