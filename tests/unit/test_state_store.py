@@ -46,6 +46,48 @@ def test_copy_into_reuses_buffers_and_copies_values():
     assert _copy_into(second, src)["w"].shape == (4,)
 
 
+def test_state_is_walked_as_a_pytree_in_state_dict_order():
+    """Namedtuples and registered classes are nodes (torch.utils._pytree's registry), a
+    dict subclass pytree does not know is still walked, and the tensors are numbered in a
+    dict's insertion order (what every rank's striping relies on)."""
+    import collections
+    import dataclasses
+
+    import torch.utils._pytree as pytree
+
+    from raylastic._internal.snapshots.capture import clone_to_cpu, leaves, map_leaves, nbytes
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @dataclasses.dataclass
+    class Moments:
+        m: torch.Tensor
+        v: torch.Tensor
+
+    pytree.register_dataclass(Moments)
+    try:
+        class Attrs(dict):
+            pass
+
+        t = [torch.full((i + 1,), float(i)) for i in range(7)]
+        tree = collections.OrderedDict(z=t[0], a={"p": Pair(t[1], t[2]), "n": 3},
+                                       m=Moments(t[3], t[4]), u=Attrs(x=[t[5], (t[6], "s")]))
+        assert [x is y for x, y in zip(leaves(tree), t)] == [True] * 7
+        assert nbytes(tree) == sum(x.numel() * 4 for x in t)
+        doubled = map_leaves(tree, lambda j, x: x * 2 + j)
+        assert type(doubled) is collections.OrderedDict and list(doubled) == ["z", "a", "m", "u"]
+        assert type(doubled["a"]["p"]) is Pair and type(doubled["m"]) is Moments
+        assert doubled["a"]["n"] == 3 and doubled["u"]["x"][1][1] == "s"
+        assert torch.equal(doubled["m"].v, t[4] * 2 + 4)
+        copy = _copy_into(None, tree)
+        assert type(copy["a"]["p"]) is Pair and torch.equal(copy["a"]["p"].b, t[2]) and copy["a"]["p"].b is not t[2]
+        again = _copy_into(copy, tree)
+        assert again["m"].m is copy["m"].m and again["u"]["x"][0] is copy["u"]["x"][0]  # buffers reused
+        assert type(clone_to_cpu(tree)["a"]["p"]) is Pair
+    finally:
+        pytree._deregister_pytree_node(Moments)
+
+
 def test_restore_choice_is_the_newest_snapshot_all_holders_share():
     assert restore_from_memory_possible({1: [4, 5], 2: [5, 6], 3: []}) == 5
     assert restore_from_memory_possible({1: [4], 2: [6]}) is None
