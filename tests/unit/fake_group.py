@@ -20,6 +20,7 @@ from raylastic._internal.worker_group.group import (
     Formed, Interrupted, MembersLost, PollBatch, StopOutcome, order_by_node,
 )
 from raylastic._internal.worker_group.pool import WorkerHandle
+from raylastic._internal.protocol import Holdings
 from raylastic._internal.worker_group.results import PersistedSnapshot, PollResult, StopAnswer, WorkerStatus
 from raylastic.session import GroupSpec, ReportRecord, RestoreInfo, checkpoint_rel
 
@@ -67,6 +68,10 @@ class FakeGroup:
         # A node lost while a call to every member is in flight (the others answer).
         self.lose_on_start: Optional[str] = None
         self.lose_on_request_stop: Optional[str] = None
+        # What a member would answer if asked for its snapshot holdings now (wid -> view);
+        # the handles keep what their last poll said until refresh_holdings() is called.
+        self.holdings_now: Dict[int, Holdings] = {}
+        self.refreshed: List[List[int]] = []  # wids of each refresh_holdings()
 
     # -- scripting -----------------------------------------------------------------
     def add_worker(self, node: str) -> WorkerHandle:
@@ -236,6 +241,15 @@ class FakeGroup:
             if w is not None and w.epoch == epoch and w.status == WorkerStatus.RUNNING:
                 w.status = WorkerStatus.STOPPED
         return []
+
+    def refresh_holdings(self, members: Sequence[WorkerHandle]) -> None:
+        self.refreshed.append([m.wid for m in members])
+        for m in members:
+            if self.worker(m).dead:
+                raise RuntimeError(f"worker {m.wid} does not answer")
+        for m in members:
+            if m.wid in self.holdings_now:
+                m.update_holdings(self.holdings_now[m.wid])
 
     def persist_snapshot(self, m: WorkerHandle, index: int, epoch: int) -> PersistedSnapshot:
         """``m`` writes its in-memory snapshot ``index`` to storage (a leaving worker)."""

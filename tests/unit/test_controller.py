@@ -86,6 +86,35 @@ def test_node_loss_resizes_and_the_survivors_run_on(tmp_path):
     assert ctrl._counts.node_losses == 1 and ctrl._counts.errors == 0 and ctrl._recoveries == 1
 
 
+def test_the_restore_plan_asks_the_survivors_what_they_hold_now(tmp_path):
+    """The newest snapshot's peer copies finish after the last poll: the survivors' polled
+    view says they hold only their own shards of it, but asked at planning time they cover
+    it, and the next group restores it rather than the one before (a step less to redo)."""
+    from raylastic._internal.protocol import Holdings
+
+    ctrl, group = _controller(tmp_path)
+    a, b, c = _start(ctrl, group, ["na", "nb", "nc"])
+    _tick_until(ctrl, lambda st: st.progress.reached() >= 5)
+    a.snapshots, a.stripes = [4, 5], {4: (3, (0, 2)), 5: (3, (0,))}  # as of the last poll
+    b.snapshots, b.stripes = [4, 5], {4: (3, (0, 1)), 5: (3, (1,))}
+    group.holdings_now = {a.wid: Holdings(snapshots=[4, 5], stripes={4: (3, (0, 2)), 5: (3, (0, 2))}),
+                          b.wid: Holdings(snapshots=[4, 5], stripes={4: (3, (0, 1)), 5: (3, (0, 1))})}
+    group.lose_node("nc")
+
+    _tick_until(ctrl, _running(2))
+    restore = group.worker(a).restores[-1]
+    assert restore.memory_index == 5 and restore.index == 5
+    assert [sorted(w) for w in group.refreshed] == [[a.wid, b.wid]]
+    # a member that cannot answer keeps its polled view: the plan still runs on it
+    group.holdings_now = {}
+    a.snapshots, a.stripes = [7], {7: (2, (0, 1))}
+    b.snapshots, b.stripes = [7], {7: (2, (0, 1))}
+    group.lose_node("nb")
+    group.add_worker("nd")
+    _tick_until(ctrl, lambda st: isinstance(st, Running) and b not in st.members and len(st.members) == 2)
+    assert group.worker(a).restores[-1].memory_index == 7
+
+
 def test_preemption_notice_stops_every_rank_at_one_index_then_shrinks(tmp_path):
     ctrl, group = _controller(tmp_path)
     a, b, c = _start(ctrl, group, ["na", "nb", "nc"])

@@ -269,6 +269,7 @@ class Controller(CapacitySteps, FailureSteps):
             return None
         members, world = formed.members, len(formed.members)
         latest = self._ckpt.latest_valid()
+        self._memory.refresh(members)
         restore = self._memory.plan(members, self._restarts, latest)
         self._ckpt.begin_epoch(epoch, world)
         prev = self._world_sizes[-1] if self._world_sizes else 0

@@ -52,6 +52,21 @@ class MemoryRestore:
         self.skip_next = True
 
     # -- planning ------------------------------------------------------------------------
+    def refresh(self, members: Sequence[WorkerHandle]) -> None:
+        """Ask the members that hold snapshots what they hold now, just before planning.
+        Why: the view from their last poll can predate the end of the newest snapshot's
+        peer copy (it runs in the background after the commit), so a node lost a moment
+        later made the plan pick the snapshot before it, one step to redo, although the
+        survivors' copies covered the newest (seen in a 51.6M ZeRO-3 run). A member that
+        does not answer keeps its last view."""
+        holders = [m for m in members if m.snapshots]
+        if not holders:
+            return
+        try:
+            self._group.refresh_holdings(holders)
+        except Exception as e:  # noqa: BLE001 - the last polled view is still a valid plan input
+            logger.debug("snapshot holdings not refreshed before the restore plan: %s", e)
+
     def plan(self, members: Sequence[WorkerHandle], restart_count: int,
              latest: Optional[CommittedCheckpoint]) -> RestoreInfo:
         """Newest state every member can get: an in-memory snapshot all snapshot holders
