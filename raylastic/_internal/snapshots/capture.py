@@ -50,6 +50,7 @@ Pair = Tuple[torch.Tensor, torch.Tensor]  # (host destination, live source)
 # the training thread, and pytree's generic flatten/unflatten took 2.5x as long there.
 Node = Tuple[List[Any], Callable[[List[Any]], Any]]  # (children in order, rebuild from children)
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+_PLAIN = frozenset({dict, OrderedDict, list, tuple})
 
 
 def _node(o: Any) -> Optional[Node]:
@@ -83,11 +84,14 @@ def leaves(obj: Any) -> List[torch.Tensor]:
     def walk(o: Any) -> None:
         if isinstance(o, torch.Tensor):
             out.append(o)
-            return
-        node = _node(o)
-        if node is not None:
-            for v in node[0]:
+        elif type(o) in _PLAIN:
+            for v in (o.values() if isinstance(o, dict) else o):
                 walk(v)
+        else:
+            node = _node(o)
+            if node is not None:
+                for v in node[0]:
+                    walk(v)
 
     walk(obj)
     return out
@@ -103,6 +107,11 @@ def map_leaves(obj: Any, fn: Callable[[int, torch.Tensor], Any]) -> Any:
             j = counter[0]
             counter[0] += 1
             return fn(j, o)
+        kind = type(o)
+        if kind is dict or kind is OrderedDict:
+            return kind((k, walk(v)) for k, v in o.items())
+        if kind is list or kind is tuple:
+            return kind(walk(v) for v in o)
         node = _node(o)
         return o if node is None else node[1]([walk(v) for v in node[0]])
 
@@ -179,6 +188,12 @@ def plan_copy(dst: Any, src: Any, defer: Callable[[torch.Tensor], bool], pending
         else:
             out.copy_(src.detach())
         return out
+    kind = type(src)
+    if kind is dict or kind is OrderedDict:  # the fast path of a state dict: matched by key
+        mine = dst if isinstance(dst, dict) else {}
+        return kind((k, plan_copy(mine.get(k), v, defer, pending, keep)) for k, v in src.items())
+    if (kind is list or kind is tuple) and type(dst) is kind and len(dst) == len(src):
+        return kind(plan_copy(d, v, defer, pending, keep) for d, v in zip(dst, src))
     node = _node(src)
     if node is None:
         return copy.deepcopy(src)
