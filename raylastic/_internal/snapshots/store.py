@@ -118,7 +118,7 @@ class SnapshotStore:
     def wait_pending(self, timeout_s: float = 30.0, own_only: bool = False) -> None:
         """Let in-flight tensor copies finish (a stopping worker's last snapshot).
 
-        ``own_only`` (the attempt was aborted: a peer vanished): wait only for the copies
+        ``own_only`` (the attempt was aborted or failed: a peer may be gone): wait only for the copies
         out of the live state, which the next attempt writes, not for a sharded
         snapshot's peer copy, which runs from host buffers in its own thread. That copy
         may be blocked on the vanished peer until the side group's timeout, and waiting

@@ -209,7 +209,13 @@ class TrainWorker:
                 status = WorkerStatus.STOPPED  # a peer vanished mid-collective: expected
             else:
                 status, error, tb = WorkerStatus.ERROR, f"{type(e).__name__}: {e}", traceback.format_exc()
-        _store().wait_pending(own_only=sess.aborted)  # the last snapshot's tensor copy belongs to this attempt
+        # The last snapshot's copy out of the live state belongs to this attempt: wait for
+        # it. Its peer copies too, but only when the attempt ended in order (finished, or a
+        # graceful stop, whose snapshot the next group restores): after an abort or an error
+        # a peer may be gone, and a copy to it waits for the side group's timeout (a 51.6M
+        # FSDP2 survivor whose collective failed before the controller's abort reached it
+        # waited here 30 s and was replaced).
+        _store().wait_pending(own_only=sess.aborted or status == WorkerStatus.ERROR)
         with self._lock:
             if self._session is sess:
                 self._status, self._error, self._traceback = status, error, tb
