@@ -5,7 +5,6 @@ rank 1 runs (2,), so the ranks also differ in micro-batch count: each must all-r
 once per step (no_sync on all but its last micro-batch) or the collectives would mismatch.
 """
 
-
 import pytest
 import torch
 import torch.distributed as dist

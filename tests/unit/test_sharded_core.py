@@ -132,7 +132,6 @@ def _worker(rank, world, port, phases, d):
 
 
 def _phase(rank, world, phase, d):
-
     from raylastic._internal.snapshots.sharded.fsdp2 import FSDP2Adapter
     from raylastic._internal.snapshots.sharded.layout import Chunk
     from raylastic._internal.snapshots.sharded.reshard import fill_from_files, reshard_from_memory

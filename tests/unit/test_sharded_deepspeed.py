@@ -118,7 +118,6 @@ def _restore(engine, shards: List[Dict[str, Any]]) -> None:
 def _reshard(engine, shards: List[Dict[str, Any]], held: List[int]) -> None:
     """The core's peer-memory restore: this rank holds old shards ``held`` only; the
     others come over the group from their holders (``reshard_from_memory``)."""
-
     from raylastic._internal.snapshots.sharded.layout import Chunk
     from raylastic._internal.snapshots.sharded.reshard import reshard_from_memory
     from raylastic._internal.snapshots.transport import Transport

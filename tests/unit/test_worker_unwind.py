@@ -6,6 +6,7 @@ is driven directly."""
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 from types import SimpleNamespace
 
@@ -59,8 +60,6 @@ def test_a_graceful_stop_still_waits_for_the_stop_snapshots_peer_copy():
 
     def train():
         raise StopTraining()
-
-    import threading
 
     threading.Timer(0.5, snap.done.set).start()  # the peer copy ends a moment later
     t0 = time.monotonic()

@@ -198,8 +198,8 @@ def plan_copy(dst: Any, src: Any, defer: Callable[[torch.Tensor], bool], pending
     if node is None:
         return copy.deepcopy(src)
     children, rebuild = node
-    if isinstance(src, dict) and (type(src) in (dict, OrderedDict, defaultdict) or pytree.tree_is_leaf(src)):
-        # walked in key order, matched by key: an optimizer's state gains entries
+    if kind is defaultdict or (isinstance(src, dict) and pytree.tree_is_leaf(src)):
+        # walked in key order (a subclass pytree does not know: as a dict), matched by key
         mine = dst if isinstance(dst, dict) else {}
         olds = [mine.get(k) for k in src]
     else:
