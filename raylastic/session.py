@@ -270,12 +270,19 @@ class Session:
 
         Returns False if this rank already passed it (the controller then picks a
         later index), so every rank stops after the same report and no rank is left
-        waiting in a collective for peers that stopped.
+        waiting in a collective for peers that stopped. A later request replaces an
+        earlier one: when one rank was already past the first proposal, the controller
+        proposes a later index to all, and a rank that accepted the first must go on to
+        it too (keeping the earlier index would stop it one report before the others,
+        which would wait for it in their next collective). A rank that already reached
+        its stop index refuses any other.
         """
         with self._lock:
             if self._index >= index:
                 return False
-            self._stop_at = index if self._stop_at is None else min(self._stop_at, index)
+            if self._stop_at is not None and self._index >= self._stop_at:
+                return False  # stopping at the earlier index already
+            self._stop_at = index
             return True
 
     @property

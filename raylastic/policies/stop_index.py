@@ -18,11 +18,18 @@ def choose_stop_index(current: int, *, step_time_s: float, snapshots: bool = Fal
                       budget_s: float = float("inf"), committed: Sequence[int] = ()) -> int:
     """A report index every rank can still reach, from ``current`` (the furthest any
     rank has reported). With in-memory snapshots every index is a restore point: as
-    soon as possible (``STOP_AHEAD_S`` of steps, at least 2). Otherwise the next
-    checkpoint boundary (from the spacing of the last two ``committed`` indices) when it
-    comes within ``MAX_WAIT_FOR_BOUNDARY_S`` and before 70% of a drain deadline
-    ``budget_s`` less 1 s, so the new group loses no steps."""
-    ahead = max(2, math.ceil(STOP_AHEAD_S / max(step_time_s, 1e-4)))
+    soon as possible, ``STOP_AHEAD_S`` of steps ahead and at least the report the
+    ranks are working towards now (a rank that reports it before the request arrives
+    answers that it is past, and the controller proposes a later one). At least two
+    ahead where two steps still fit in 70% of a drain deadline ``budget_s`` less 1 s
+    (one proposal round is then nearly always enough); one where they do not: a 10 s
+    notice with 5 s steps must stop after the step in flight, or the node is gone
+    before the group stops and the step is lost with it. Without snapshots: the next
+    checkpoint boundary (from the spacing of the last two ``committed`` indices) when
+    it comes within ``MAX_WAIT_FOR_BOUNDARY_S`` and before that share of the deadline,
+    so the new group loses no steps."""
+    fits_two = 2 * step_time_s <= budget_s * 0.7 - 1.0
+    ahead = max(2 if fits_two else 1, math.ceil(STOP_AHEAD_S / max(step_time_s, 1e-4)))
     target = current + ahead
     if snapshots:
         return target
