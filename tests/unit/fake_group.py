@@ -41,6 +41,7 @@ class FakeWorker:
     # A report with a checkpoint reaches the controller this many polls late (its upload
     # still running), whatever the worker does meanwhile (raise, stop).
     late_checkpoints: int = 0
+    refuses_stops: bool = False  # answers every stop request as already past it
     polls: int = 0
     held: List[tuple] = field(default_factory=list)  # (poll it arrives at, record)
     restores: List[RestoreInfo] = field(default_factory=list)
@@ -228,7 +229,9 @@ class FakeGroup:
         answers = []
         for m in members:
             w = self.worker(m)
-            if w.index > index:
+            if w.refuses_stops:
+                answers.append(StopAnswer(ok=False, index=index))
+            elif w.index > index:
                 answers.append(StopAnswer(ok=False, index=w.index))
             else:
                 w.stop_at = index

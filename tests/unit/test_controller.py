@@ -323,6 +323,24 @@ def test_a_node_lost_while_a_graceful_stop_is_agreed_is_a_node_loss(tmp_path):
     assert ctrl._counts.node_losses == 1
 
 
+def test_a_stop_no_rank_can_agree_on_aborts_at_once_instead_of_waiting_out_its_deadline(tmp_path):
+    """A rank that refuses every proposed stop index (it stopped at an earlier one, or runs
+    ahead of each): the group is aborted at the next tick, not after the stop's 30 s+."""
+    ctrl, group = _controller(tmp_path)
+    a, b, c = _start(ctrl, group, ["na", "nb", "nc"])
+    _tick_until(ctrl, lambda st: st.progress.reached() >= 3)
+    group.worker(b).refuses_stops = True
+    group.draining["nc"] = 0
+
+    t0 = time.monotonic()
+    seen = _tick_until(ctrl, _running(2))
+    assert time.monotonic() - t0 < 10  # the stop's own deadline is JOIN_TIMEOUT_S (30 s) on
+    assert seen == ["Resizing", "Scheduling", "Running"]
+    decisions = [e["decision"] for e in _events(tmp_path, ctrl, EventKind.DECISION)]
+    assert "abort" in decisions and "stop_at" not in decisions
+    assert [e["graceful"] for e in _events(tmp_path, ctrl, EventKind.RESIZE)] == [True]
+
+
 def _late_checkpoint_then_errors(tmp_path, late_polls):
     """Two ranks; rank 0 checkpoints every 2 reports. Rank 0's checkpoint of report ``n``
     reaches the controller ``late_polls`` polls late (its upload still running) while

@@ -97,12 +97,22 @@ class GracefulStop:
                                      budget_s=budget, committed=self._committed())
 
         target = choose(current)
+        agreed = False
         for _ in range(MAX_STOP_PROPOSALS):
             answers = self._group.request_stop_at(st.members, target)
-            if all(a.ok for a in answers):
+            agreed = all(a.ok for a in answers)
+            if agreed:
                 break
             target = choose(max(a.index for a in answers))
         self.target = target
+        if not agreed:
+            # A rank already stopped at an earlier proposal, or runs ahead of every one:
+            # the others would wait for it in a collective. Abort now (the next tick's
+            # timed-out stop) rather than after the stop's deadline, tens of seconds on.
+            self._events.emit(EventKind.DECISION, f"no report every rank can still stop after (last "
+                              f"proposed {target}): aborting the group instead", decision="abort")
+            self._deadline = time.monotonic()
+            return
         self._events.emit(EventKind.DECISION, f"stopping workers after report {target} to resize",
                           decision="stop_at", stop_at=target)
         self._deadline = time.monotonic() + JOIN_TIMEOUT_S + max(
