@@ -90,8 +90,8 @@ demo: $(DSSTAMP)
 # then check-configs. Everything else runs beside the integration tests at idle scheduling
 # priority (BG: `chrt -i 0`, SCHED_IDLE; nice 19 where chrt is missing), in the CPU they
 # leave idle (about 40%, measured): DeepSpeed's wheel build (from the moment torch is in) and
-# install, the unit tests (two pytest processes, then the DeepSpeed file once DeepSpeed is
-# in), ruff and mypy (`make lint`). Why SCHED_IDLE and not nice: Ray runs its workers at
+# install, the unit tests (once DeepSpeed is in: two pytest processes, and the DeepSpeed
+# file), ruff and mypy (`make lint`). Why SCHED_IDLE and not nice: Ray runs its workers at
 # nice 15 (RAY_worker_niceness), so a job at nice 10 comes before them (the integration
 # tests took 1,193 s beside the IT_NO_RAY tests at nice 10, 978 s alone, measured
 # 2026-11-26) and one at nice 19 still gets 15/36 of a worker's share. The integration tests
@@ -120,14 +120,20 @@ UNIT_PYTEST := $(PY) -m pytest -q -ra --durations=8 -p no:cacheprovider
 # process imports it, and where PYTHONDONTWRITEBYTECODE is set (as on the dev sandbox) each
 # one compiled it again (0.27 CPU-s per process measured; ~115 trainer runs of 4 processes).
 PRECOMPILE := PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -q raylastic >/dev/null
+# The unit tests start once DeepSpeed's install has ended (or failed): accelerate and
+# Lightning decide at import whether DeepSpeed is there, and a test process that imported
+# accelerate before the install ended and transformers' Trainer after it failed at
+# collection (`cannot import name 'DeepSpeedSchedulerWrapper' from 'accelerate.utils'`,
+# 2026-11-27). They still run at idle priority, beside the integration tests.
+AFTER_DS := while [ ! -e .cache/deepspeed-installed.rc ]; do sleep 1; done;
 test:
 	@mkdir -p .cache; rm -f .cache/*.rc
 	@$(MAKE) --no-print-directory $(TORCHED)
 	@$(call BG_JOB,deepspeed-wheel,$(MAKE) --no-print-directory $(DSWHEEL))
 	@$(MAKE) --no-print-directory -j3 $(STAMP) $(AZURITE) check-configs
 	@$(PRECOMPILE)
-	@$(call BG_JOB,unit-slow,$(UNIT_PYTEST) $(UNIT_SLOW))
-	@$(call BG_JOB,unit-rest,$(UNIT_PYTEST) $(UNIT_REST))
+	@$(call BG_JOB,unit-slow,$(AFTER_DS) $(UNIT_PYTEST) $(UNIT_SLOW))
+	@$(call BG_JOB,unit-rest,$(AFTER_DS) $(UNIT_PYTEST) $(UNIT_REST))
 	@$(call BG_JOB,deepspeed,while [ ! -e .cache/deepspeed-wheel.rc ]; do sleep 1; done; \
 		cat .cache/deepspeed-wheel.log; test "$$(cat .cache/deepspeed-wheel.rc)" = 0 && \
 		$(MAKE) --no-print-directory $(DSSTAMP); r=$$?; echo $$r >.cache/deepspeed-installed.rc; \

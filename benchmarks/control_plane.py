@@ -36,6 +36,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -258,6 +259,8 @@ def measure(n: int, *, window_s: float, step_s: float, poll_interval_s: float,
                 out["stop_error"] = f"{type(e).__name__}: {e}"
             out["event_log_bytes_total"] = _log_bytes(run_dir)
             out["checkpoints_committed"] = len(_events(run_dir, "checkpoint_committed"))
+            # what the run logged, by kind: says why when a count above is off
+            out["event_counts"] = dict(collections.Counter(e.get("kind") for e in load_events(run_dir)))
     return out
 
 

