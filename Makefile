@@ -111,6 +111,8 @@ IT_NO_RAY := $(addprefix tests/integration/,test_storage_backends.py test_torchr
 # $(call BG_JOB,name,command): run command in the background at BG priority; its output in
 # .cache/name.log, its exit status in .cache/name.rc once it ends.
 BG_JOB = (rm -f .cache/$(1).rc; $(BG) sh -c '$(2)' </dev/null >.cache/$(1).log 2>&1; echo $$? >.cache/$(1).rc) &
+# $(call WAIT_RC,name): shell words that wait until background job name has ended
+WAIT_RC = while [ ! -e .cache/$(1).rc ]; do sleep 1; done;
 # $(call BG_SHOW,names): wait for those jobs (40 min at most), show their output; rc=1 if one failed
 BG_SHOW = for j in $(1); do n=0; while [ ! -e .cache/$$j.rc ] && [ $$n -lt 2400 ]; do sleep 1; n=$$((n+1)); done; \
 	echo "== $$j (beside the integration tests)"; cat .cache/$$j.log; \
@@ -125,7 +127,7 @@ PRECOMPILE := PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -q raylastic >/dev/nu
 # accelerate before the install ended and transformers' Trainer after it failed at
 # collection (`cannot import name 'DeepSpeedSchedulerWrapper' from 'accelerate.utils'`,
 # 2026-11-27). They still run at idle priority, beside the integration tests.
-AFTER_DS := while [ ! -e .cache/deepspeed-installed.rc ]; do sleep 1; done;
+AFTER_DS := $(call WAIT_RC,deepspeed-installed)
 test:
 	@mkdir -p .cache; rm -f .cache/*.rc
 	@$(MAKE) --no-print-directory $(TORCHED)
@@ -134,7 +136,7 @@ test:
 	@$(PRECOMPILE)
 	@$(call BG_JOB,unit-slow,$(AFTER_DS) $(UNIT_PYTEST) $(UNIT_SLOW))
 	@$(call BG_JOB,unit-rest,$(AFTER_DS) $(UNIT_PYTEST) $(UNIT_REST))
-	@$(call BG_JOB,deepspeed,while [ ! -e .cache/deepspeed-wheel.rc ]; do sleep 1; done; \
+	@$(call BG_JOB,deepspeed,$(call WAIT_RC,deepspeed-wheel) \
 		cat .cache/deepspeed-wheel.log; test "$$(cat .cache/deepspeed-wheel.rc)" = 0 && \
 		$(MAKE) --no-print-directory $(DSSTAMP); r=$$?; echo $$r >.cache/deepspeed-installed.rc; \
 		test $$r = 0 && $(UNIT_PYTEST) $(UNIT_DS))

@@ -28,12 +28,12 @@ def choose_stop_index(current: int, *, step_time_s: float, snapshots: bool = Fal
     checkpoint boundary (from the spacing of the last two ``committed`` indices) when
     it comes within ``MAX_WAIT_FOR_BOUNDARY_S`` and before that share of the deadline,
     so the new group loses no steps."""
-    fits_two = 2 * step_time_s <= budget_s * 0.7 - 1.0
-    ahead = max(2 if fits_two else 1, math.ceil(STOP_AHEAD_S / max(step_time_s, 1e-4)))
+    usable_s = budget_s * 0.7 - 1.0  # of the drain deadline: what a stop may still spend
+    ahead = max(2 if 2 * step_time_s <= usable_s else 1, math.ceil(STOP_AHEAD_S / max(step_time_s, 1e-4)))
     target = current + ahead
     if snapshots:
         return target
-    wait_s = min(MAX_WAIT_FOR_BOUNDARY_S, budget_s * 0.7 - 1.0)
+    wait_s = min(MAX_WAIT_FOR_BOUNDARY_S, usable_s)
     if len(committed) >= 2 and wait_s > 0:
         period = committed[-1] - committed[-2]
         if period > 0:

@@ -1,6 +1,7 @@
 """Where a graceful stop ends (pure policy, no Ray), and how a rank takes the proposals."""
 
 import pytest
+from trainer_session import session_for
 
 from raylastic.policies.stop_index import MAX_WAIT_FOR_BOUNDARY_S, choose_stop_index
 
@@ -19,21 +20,13 @@ def test_a_drain_deadline_two_steps_do_not_fit_stops_after_the_step_in_flight():
     assert choose_stop_index(101, step_time_s=5.0, committed=[90, 100], budget_s=10.0) == 102
 
 
-def _session():
-    from raylastic.session import GroupSpec, RestoreInfo, Session
-
-    spec = GroupSpec(epoch=1, rank=0, world_size=2, local_rank=0, local_world_size=2, node_rank=0,
-                     master_addr="127.0.0.1", master_port=0, backend="gloo")
-    return Session(spec=spec, storage=None, run_rel="run", run_name="run", restore=RestoreInfo())
-
-
 def test_a_later_proposal_moves_an_accepted_stop_index_so_all_ranks_stop_together():
     """Rank 0 accepted stop-after-101 while rank 1 had already reported 101; the controller
     then proposes 102 to both. Rank 0 must stop after 102 too, not after 101 (then rank 1
     would wait for it in step 102's collective until a timeout)."""
-    from raylastic.session import StopTraining
+    from raylastic.session import StopTraining, _set_session
 
-    sess = _session()
+    sess = session_for("stop-index")
     for _ in range(100):
         sess.report({})
     assert sess.request_stop_at(101)
@@ -44,6 +37,7 @@ def test_a_later_proposal_moves_an_accepted_stop_index_so_all_ranks_stop_togethe
     # a rank that reached its stop index refuses another; one past an index refuses it
     assert not sess.request_stop_at(103)
     assert not sess.request_stop_at(102)
+    _set_session(None)
 
 
 def test_without_snapshots_the_next_checkpoint_boundary_when_it_comes_soon_enough():
