@@ -94,12 +94,13 @@ def start_fit(fit: Callable[[], Any]) -> Tuple[threading.Thread, Dict[str, Any]]
 
 
 @contextlib.contextmanager
-def fresh_cluster(num_nodes: int = 3) -> Iterator[Tuple[str, str, Any]]:
+def fresh_cluster(num_nodes: int = 3, cpus_per_node: int = 1) -> Iterator[Tuple[str, str, Any]]:
     """(scratch dir, its ``logs`` dir, a ``LocalCluster``): a new cluster per measured run,
     so no run inherits another's workers or storage."""
     from raylastic.testing.cluster import LocalCluster
 
-    with tempfile.TemporaryDirectory() as tmp, LocalCluster(num_nodes=num_nodes) as cluster:
+    with tempfile.TemporaryDirectory() as tmp, \
+            LocalCluster(num_nodes=num_nodes, cpus_per_node=cpus_per_node) as cluster:
         log_dir = os.path.join(tmp, "logs")
         os.makedirs(log_dir)
         yield tmp, log_dir, cluster
@@ -156,18 +157,21 @@ def lose_node(cluster, log: Callable[[], List[Dict[str, Any]]], marks: Dict[str,
 
 
 def elastic_or_ray_train_fit(system: str, fn: Callable[..., Any], cfg: Dict[str, Any], storage: str, name: str,
-                             checkpoint_every: int, ray_train_cfg: Optional[Dict[str, Any]] = None
-                             ) -> Callable[[], Any]:
+                             checkpoint_every: int, ray_train_cfg: Optional[Dict[str, Any]] = None,
+                             cpus_per_worker: int = 1) -> Callable[[], Any]:
     """``fit`` of the same train function under raylastic (``ElasticTrainer``, min 2 / max
     3 workers, ``persist_every=checkpoint_every``) or Ray Train 2 (``TorchTrainer`` with
     ``num_workers=(2, 3)``, restarts without limit); the function sees ``cfg["mode"]``.
-    ``ray_train_cfg``: more ``train_loop_config`` for Ray Train only."""
+    ``ray_train_cfg``: more ``train_loop_config`` for Ray Train only. ``cpus_per_worker``:
+    the CPUs each worker reserves (Ray sets its ``OMP_NUM_THREADS`` to that); one worker per
+    node either way, so a node loss is one worker's loss."""
     if system == "raylastic":
         from raylastic import CheckpointConfig, ElasticTrainer, RunConfig, ScalingConfig
 
         return ElasticTrainer(
             fn, train_loop_config=dict(cfg, mode="raylastic"),
-            scaling_config=ScalingConfig(min_workers=2, max_workers=3),
+            scaling_config=ScalingConfig(min_workers=2, max_workers=3,
+                                         resources_per_worker={"CPU": cpus_per_worker}),
             run_config=RunConfig(name=name, storage_path=storage, verbose=False, progress=False,
                                  checkpoint_config=CheckpointConfig(persist_every=checkpoint_every, num_to_keep=2)),
         ).fit
@@ -176,7 +180,7 @@ def elastic_or_ray_train_fit(system: str, fn: Callable[..., Any], cfg: Dict[str,
 
     return TorchTrainer(
         fn, train_loop_config=dict(cfg, mode="ray_train", **(ray_train_cfg or {})),
-        scaling_config=ray.train.ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1}),
+        scaling_config=ray.train.ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": cpus_per_worker}),
         run_config=ray.train.RunConfig(name=name, storage_path=storage,
                                        failure_config=ray.train.FailureConfig(max_failures=-1),
                                        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),

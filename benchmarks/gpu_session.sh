@@ -13,7 +13,12 @@
 #   2. benchmarks/gpu_snapshot.py: snapshot stall per step and restore on the 51.6M model
 #   3. benchmarks/recovery.py --cuda: node loss and scale-up with the model on the GPU,
 #      raylastic against Ray Train in the same run (FRAMEWORKS, default all three)
-# The limits keep the whole script inside one 10-minute device call.
+#   4. sharded (only when STEPS names it): benchmarks/sharded_recovery.py on the machine's
+#      CPUs, the GPU hidden (CUDA_VISIBLE_DEVICES=""), SHARDED_CPUS (default 4) CPUs per
+#      worker: the 51.6M FSDP2 / ZeRO-3 recovery where steps are not starved of cores.
+#      DeepSpeed comes from .whl/ as pure Python (DS_ACCELERATOR=cpu, gloo collectives).
+# STEPS picks the steps (default "gpu_tests gpu_snapshot recovery_cuda"). The limits keep
+# the default steps inside one 10-minute device call.
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -22,7 +27,7 @@ if ! python3 -c "import ray" 2>/dev/null && [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 else
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g | head -2;
   python3 -c "import sys, torch, ray; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'ray', ray.__version__, 'gpus', torch.cuda.device_count())"; } > "$OUT/env.txt" 2>&1
@@ -30,9 +35,16 @@ cat "$OUT/env.txt"
 step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "== $name rc=$rc in $((SECONDS - t0)) s"; tail -n 25 "$OUT/$name.log"; }
-step gpu_tests 200 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu
-step gpu_snapshot 90 python3 benchmarks/gpu_snapshot.py --out "$OUT/gpu_snapshot.json"
-step recovery_cuda ${RECOVERY_LIMIT_S:-300} python3 benchmarks/recovery.py --cuda --quick --hidden 1536 --layers 5 \
-  --scenarios unannounced --frameworks ${FRAMEWORKS:-raylastic_state,raylastic,ray_train} --out "$OUT/recovery_cuda.json"
+STEPS=${STEPS:-gpu_tests gpu_snapshot recovery_cuda}
+on() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+on gpu_tests && step gpu_tests 200 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu
+on gpu_snapshot && step gpu_snapshot 90 python3 benchmarks/gpu_snapshot.py --out "$OUT/gpu_snapshot.json"
+on recovery_cuda && step recovery_cuda ${RECOVERY_LIMIT_S:-300} python3 benchmarks/recovery.py --cuda --quick \
+  --hidden 1536 --layers 5 --scenarios unannounced --frameworks ${FRAMEWORKS:-raylastic_state,raylastic,ray_train} \
+  --out "$OUT/recovery_cuda.json"
+on sharded && CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu step sharded ${SHARDED_LIMIT_S:-300} \
+  python3 benchmarks/sharded_recovery.py --cpus-per-worker ${SHARDED_CPUS:-4} --kill-at 5 --between 2 \
+  --checkpoint-every 3 --timeout-s 150 --systems ${SHARDED_SYSTEMS:-raylastic} \
+  --frameworks ${SHARDED_FRAMEWORKS:-fsdp2,zero3} ${SHARDED_ARGS:-} --out "$OUT/sharded_recovery.json"
 pkill -9 -f "raylet|gcs_server|ray::" 2>/dev/null
 exit 0

@@ -205,14 +205,15 @@ def pause(rows: List[Dict[str, Any]], first: Dict[str, Any]) -> Optional[float]:
 
 
 def make_fit(system: str, framework: str, cfg: Dict[str, Any], storage: str, name: str,
-             checkpoint_every: int) -> Callable[[], Any]:
+             checkpoint_every: int, cpus_per_worker: int = 1) -> Callable[[], Any]:
     from workloads import by_value
     import workloads.sharded as sharded
 
     by_value(sharded)
     fn = sharded.fsdp2_bench if framework == "fsdp2" else sharded.deepspeed_bench
     return elastic_or_ray_train_fit(system, fn, cfg, storage, name, checkpoint_every,
-                                    ray_train_cfg={"checkpoint_every": checkpoint_every})
+                                    ray_train_cfg={"checkpoint_every": checkpoint_every},
+                                    cpus_per_worker=cpus_per_worker)
 
 
 def _range(vals: List[Any]) -> Any:
@@ -331,6 +332,8 @@ def main() -> Optional[int]:
                     help="Ray Train's checkpoint cadence and raylastic's persist_every")
     ap.add_argument("--notice-s", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--cpus-per-worker", type=int, default=1,
+                    help="CPUs per worker node and worker (its torch threads); default 1")
     ap.add_argument("--timeout-s", type=float, default=240)
     ap.add_argument("--out", default=os.path.join(RESULTS, "sharded_recovery.json"))
     ap.add_argument("--table", metavar="JSON", help="print the README table of a results file and exit")
@@ -370,7 +373,8 @@ def main() -> Optional[int]:
                      "raylastic_persist_every": args.checkpoint_every, "raylastic_snapshot_every": 1,
                      "events": ["node removed without notice", "node added", "node drained with notice, "
                                 "removed at the deadline"]},
-        "cluster": "ray.cluster_utils.Cluster: head (0 CPU) + 3 x 1-CPU worker nodes on one machine",
+        "cluster": f"ray.cluster_utils.Cluster: head (0 CPU) + 3 x {args.cpus_per_worker}-CPU worker nodes "
+                   "on one machine, one worker per node",
         "failure_detection": FAST_FAILURE_DETECTION,
         "ray_train_env": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
@@ -388,11 +392,12 @@ def main() -> Optional[int]:
         for fw in frameworks:
             for system in systems:
                 key = f"{system}/{fw}"
-                with fresh_cluster() as (tmp, log_dir, cluster):
+                with fresh_cluster(cpus_per_node=args.cpus_per_worker) as (tmp, log_dir, cluster):
                     cfg = dict(model, zero_stage=3, log_dir=log_dir, stop_path=os.path.join(tmp, "stop"))
                     name = f"sharded_{system}_{fw}_{rep}"
                     fit = make_fit(system, "fsdp2" if fw == "fsdp2" else "zero3", cfg,
-                                   os.path.join(tmp, "storage"), name, args.checkpoint_every)
+                                   os.path.join(tmp, "storage"), name, args.checkpoint_every,
+                                   args.cpus_per_worker)
                     print(f"== {key} (repeat {rep})", flush=True)
                     res = timed(run_schedule, cluster, fit, log_dir, cfg["stop_path"], kill_at, between,
                                 args.notice_s, args.timeout_s)
