@@ -30,6 +30,7 @@ from raylastic.policies.node_types import MARKET_LABEL, NODE_TYPE_LABEL, RESOURC
 from raylastic.session import GroupSpec, RestoreInfo, Session, StopTraining, checkpoint_rel
 from raylastic._internal.snapshots.placement import Holding
 from raylastic._internal.protocol import PROTOCOL_VERSION, ExportedShards, StoreAddress, WorkerInfo
+from raylastic._internal.worker_group.train_thread import TrainThread
 from raylastic._internal.worker_group.results import (
     Holdings, PersistedSnapshot, PollResult, StopAnswer, WorkerStatus,
 )
@@ -97,7 +98,7 @@ class TrainWorker:
         # init_process_group until the group timeout; the next join must not run beside it.
         self._join_lock = threading.Lock()
         self._join_epoch = -1  # the newest epoch asked to join; an older join still queued gives up
-        self._thread: Optional[threading.Thread] = None
+        self._train = TrainThread("raylastic-train")
         self._session: Optional[Session] = None
         self._status = WorkerStatus.IDLE
         self._error: Optional[str] = None
@@ -136,7 +137,7 @@ class TrainWorker:
     def setup_group(self, spec: GroupSpec) -> None:
         from raylastic._internal.distributed import process_group
 
-        if self._thread is not None and self._thread.is_alive():
+        if self._train.busy():
             raise RuntimeError("setup_group while the train function is still running")
         with self._lock:
             self._join_epoch = max(self._join_epoch, spec.epoch)
@@ -174,7 +175,7 @@ class TrainWorker:
     # -- training ------------------------------------------------------------------
     def start(self, train_func: Callable, config: Optional[Dict[str, Any]], spec: GroupSpec,
               restore: RestoreInfo) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        if self._train.busy():
             raise RuntimeError("start while the train function is still running")
         sess = Session(spec=spec, storage=self._storage, run_rel=self._run_rel,
                        run_name=self._run_name, restore=restore, uploader=self._uploader,
@@ -186,11 +187,7 @@ class TrainWorker:
             self._epoch = spec.epoch
         _session._set_session(sess)
         before_attempt(sess)
-        self._thread = threading.Thread(
-            target=self._run, args=(train_func, config, sess), name=f"raylastic-train-e{spec.epoch}",
-            daemon=True,
-        )
-        self._thread.start()
+        self._train.submit(lambda: self._run(train_func, config, sess))
 
     def _run(self, train_func: Callable, config: Optional[Dict[str, Any]], sess: Session) -> None:
         status, error, tb, value = WorkerStatus.FINISHED, None, "", None
@@ -299,20 +296,13 @@ class TrainWorker:
     def train_stack(self, limit: int = 6) -> str:
         """Where the train thread is now (its innermost ``limit`` frames): said in the
         event log when the controller replaces a worker that did not unwind."""
-        thread = self._thread
-        ident = thread.ident if thread is not None and thread.is_alive() else None
+        ident = self._train.ident
         frame = sys._current_frames().get(ident) if ident is not None else None
         return "".join(traceback.format_stack(frame, limit=limit)) if frame is not None else ""
 
     def join(self, timeout_s: float) -> bool:
-        """Wait for the train thread to exit; True if it did."""
-        deadline = time.monotonic() + timeout_s
-        thread = self._thread
-        if thread is not None:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                return False
-        return True
+        """Wait for the train function to return; True if it did."""
+        return self._train.join(timeout_s)
 
 
 def _node_type(node_id: str):
