@@ -2,6 +2,10 @@
 for the torch crash that a new thread per attempt met), one attempt at a time, bounded
 joins, and grad mode back on for each attempt."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -53,3 +57,48 @@ def test_each_attempt_starts_with_grad_mode_on_like_a_new_thread():
         t.submit(attempt)
         assert t.join(10)
     assert modes == [True, True]
+
+
+# Three attempts of ``fully_shard`` + an Adam step, each in a fresh process group, through
+# TrainThread, in a subprocess that sees no GPU. On a CUDA build of torch 2.11 a new thread
+# per attempt died at the second with SIGSEGV in ensureCUDADeviceGuardSet (see the module's
+# docstring); 2.13 and 2.14 CUDA builds did not crash either way. Skipped on a CPU build,
+# such as the one this project pins.
+ATTEMPTS = textwrap.dedent("""
+    import os, socket
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from raylastic._internal.worker_group.train_thread import TrainThread
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def attempt(i):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 1))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        dist.destroy_process_group()
+        print("attempt", i, "ok", flush=True)
+
+    t = TrainThread("train")
+    for i in range(3):
+        t.submit(lambda i=i: attempt(i))
+        assert t.join(60)
+""")
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch (no GPU needed)")
+def test_fully_shard_again_in_the_train_thread_on_a_cuda_build_that_sees_no_gpu():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, "-c", ATTEMPTS], env=env, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert [line for line in out.stdout.splitlines() if line.endswith(" ok")] == [
+        "attempt 0 ok", "attempt 1 ok", "attempt 2 ok"]

@@ -4,10 +4,11 @@ Why one thread, not a new one per attempt: a survivor runs the train function ag
 every resize, and with it ``fully_shard`` (FSDP2) or ``deepspeed.initialize``, which enter
 ``FakeTensorMode`` through DTensor's sharding propagation. On a CUDA build of torch with no
 visible GPU (CPU workers in an image built for GPUs), entering it from a second thread after
-another thread did killed the process with SIGSEGV in ``ensureCUDADeviceGuardSet``: seen on
-torch 2.11.0+cu130 on an H100 machine with ``CUDA_VISIBLE_DEVICES=""`` (2026-11-27), where
-three rounds of ``fully_shard`` in one thread passed and the second round in a new thread
-crashed. One long-lived thread also gives every attempt the same thread-local CUDA state.
+another thread did killed the process with SIGSEGV in ``ensureCUDADeviceGuardSet``: seen with
+torch 2.11.0+cu130 on an H100 machine with ``CUDA_VISIBLE_DEVICES=""`` and on a machine with
+no driver (2026-11-27); three rounds of ``fully_shard`` in one thread passed, the second
+round in a new thread crashed. The 2.13.0 and 2.14.1 CUDA builds did not crash. One
+long-lived thread also gives every attempt the same thread-local CUDA state.
 
 Grad mode, which torch keeps per thread, is switched back on before each attempt, as a new
 thread would start, so an attempt that switched it off does not leak that into the next."""
