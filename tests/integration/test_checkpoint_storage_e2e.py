@@ -251,7 +251,9 @@ def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
     # next one, or the test never finds "previous committed, this one in flight". On a box
     # busy beside the tests a 48 MB upload took ~3 s, every report waited on the previous
     # upload, and no checkpoint of 12 qualified; 24 MB still takes long enough to catch.
-    run, every, total = "killed-upload", 10, 60
+    # 8 checkpoints to try (20..90): with 4 (total 60) a clean-clone run on a slow VM caught
+    # none before the run ended (2026-11-27, 786e182).
+    run, every, total = "killed-upload", 10, 100
     uri = servers.s3.uri(f"e2e-{uuid.uuid4().hex[:8]}")
     log_dir = str(tmp_path / "log")
     os.makedirs(log_dir)
