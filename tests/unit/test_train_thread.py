@@ -2,7 +2,6 @@
 for the torch crash that a new thread per attempt met), one attempt at a time, bounded
 joins, and grad mode back on for each attempt."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -65,16 +64,12 @@ def test_each_attempt_starts_with_grad_mode_on_like_a_new_thread():
 # docstring); 2.13 and 2.14 CUDA builds did not crash either way. Skipped on a CPU build,
 # such as the one this project pins.
 ATTEMPTS = textwrap.dedent("""
-    import os, socket
+    import os
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from raylastic._internal.worker_group.train_thread import TrainThread
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from raylastic.testing.ports import free_port
 
     def attempt(i):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -97,8 +92,7 @@ ATTEMPTS = textwrap.dedent("""
 
 @pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch (no GPU needed)")
 def test_fully_shard_again_in_the_train_thread_on_a_cuda_build_that_sees_no_gpu():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
-    out = subprocess.run([sys.executable, "-c", ATTEMPTS], env=env, capture_output=True, text=True, timeout=150)
+    out = subprocess.run([sys.executable, "-c", ATTEMPTS], capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert [line for line in out.stdout.splitlines() if line.endswith(" ok")] == [
         "attempt 0 ok", "attempt 1 ok", "attempt 2 ok"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 from typing import Callable, Optional
 
@@ -69,8 +70,6 @@ class TrainThread:
 
 
 def _grad_mode_on() -> None:
-    import sys
-
     torch = sys.modules.get("torch")  # nothing to reset if no attempt imported torch yet
     if torch is not None:
         torch.set_grad_enabled(True)
