@@ -8,6 +8,7 @@ a traceback, not a cluster. Messages name the field, the value and the fix. The 
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Dict, Mapping, Optional, cast
 
@@ -20,6 +21,25 @@ from raylastic.policies.capacity import CapacityPolicy
 
 _STANDARD_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 _run_name_problem = run_name_problem  # its old name here
+
+
+# The default of ScalingConfig.keep_workers_s (seconds; unset: 0, workers end with the run).
+KEEP_ENV = "RAYLASTIC_KEEP_WORKERS_S"
+
+
+def _keep_s_from_env() -> float:
+    """``RAYLASTIC_KEEP_WORKERS_S`` as seconds (0 when unset); ValueError names the variable."""
+    raw = os.environ.get(KEEP_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and value != float("inf")):
+        raise ValueError(f"{KEEP_ENV}={raw!r} is not a number of seconds >= 0. Fix: set it to e.g. 30, "
+                         "or unset it (workers end with the run)")
+    return value
 
 
 def _check(cond: bool, message: str) -> None:
@@ -53,6 +73,11 @@ class ScalingConfig:
             on-demand fallback, back to spot (see docs/spot.md). Workers are then placed
             per node type (custom resource ``node_type:<name>``) and the autoscaler is
             asked for slots of each type. ``None``: any node with the resources.
+        keep_workers_s: keep the workers a run ends with this many seconds, for the next
+            ``fit()`` from the same driver to take instead of starting new processes
+            (a notebook, a sweep: each worker's start is ~5 CPU-s of imports). Kept
+            workers hold their resources meanwhile. ``None``: the environment variable
+            ``RAYLASTIC_KEEP_WORKERS_S``, else 0 (workers end with the run).
     """
 
     min_workers: int = 1
@@ -62,6 +87,7 @@ class ScalingConfig:
     max_wait_s: Optional[float] = None
     validate_resources: bool = True
     capacity: Optional[Any] = None
+    keep_workers_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         check_int(self.min_workers, "ScalingConfig.min_workers", minimum=1, fix="pass min_workers=1 or more")
@@ -89,6 +115,13 @@ class ScalingConfig:
             )
         check_instance(self.capacity, CapacityPolicy, "ScalingConfig.capacity",
                        "capacity=raylastic.policies.capacity.CapacityPolicy(...), or None", optional=True)
+        if self.keep_workers_s is None:
+            try:
+                object.__setattr__(self, "keep_workers_s", _keep_s_from_env())
+            except ValueError as e:
+                raise ConfigError(f"ScalingConfig.keep_workers_s defaults to {e}") from None
+        check_number(self.keep_workers_s, "ScalingConfig.keep_workers_s", minimum=0, maximum=86400,
+                     unit="seconds", fix="pass seconds >= 0 (0: workers end with the run)")
         if self.capacity is None:  # (with a policy each worker also reserves its node type's slot)
             check_reserves_something(self.worker_resources(), "ScalingConfig.resources_per_worker")
         else:

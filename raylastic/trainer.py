@@ -15,6 +15,7 @@ from ray.train import Checkpoint
 from raylastic._internal.cluster.notices import sources_from_env
 from raylastic._internal.controller.controller import Controller
 from raylastic._internal.protocol import TrainFunc
+from raylastic._internal.worker_group.keeper import HEAD_RESOURCE, ensure_keeper
 from raylastic._internal.cluster.shared_storage import check_shared
 from raylastic.checkpoint.lease import LEASE_FILE, RunLease
 from raylastic.checkpoint.storage import Storage
@@ -24,8 +25,6 @@ from raylastic.progress import ProgressLine
 from raylastic.checkpoint.storage_checkpoint import StorageCheckpoint
 
 logger = logging.getLogger("raylastic")
-
-HEAD_RESOURCE = "node:__internal_head__"  # Ray puts this resource on the head node only
 
 
 @dataclass
@@ -145,6 +144,8 @@ class ElasticTrainer:
             _check_resources(self._scaling)
         if storage.is_local:  # a local path must be one the other hosts see too
             check_shared(storage.path(self._name, LEASE_FILE), lease.token, storage.uri)
+        if self._scaling.keep_workers_s:  # created here, by the driver: see keeper.py
+            ensure_keeper()
         # On the head node: it holds no CPU/GPU, and must not die with a preempted worker
         # node (the workers it owns would die with it). Soft node affinity is not enough:
         # Ray spills a zero-CPU actor off a zero-CPU head.

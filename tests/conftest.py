@@ -118,6 +118,19 @@ def local_cluster():
                 raise
 
 
+@pytest.fixture(autouse=True)
+def _keep_workers_between_runs(request, monkeypatch):
+    """The integration tests keep a run's workers 30 s for the next ``fit()`` to take
+    (``ScalingConfig.keep_workers_s``, default 0): a worker's start is ~5 CPU-s of imports
+    on these 2 cores, and the suite runs ~115 fits. A test that passes ``keep_workers_s``
+    itself (test_elastic_core.py covers both values) is not changed by this.
+    ``RAYLASTIC_TEST_KEEP_WORKERS_S=0`` runs them with a fresh worker per run."""
+    if "integration" in request.node.path.parts:
+        from raylastic.config import KEEP_ENV
+
+        monkeypatch.setenv(KEEP_ENV, os.environ.get("RAYLASTIC_TEST_KEEP_WORKERS_S", "30"))
+
+
 @pytest.fixture
 def run_dir(tmp_path):
     """A fresh storage path for one run."""

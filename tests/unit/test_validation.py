@@ -75,6 +75,7 @@ TABLE: Dict[type, Dict[str, Row]] = {
         "use_gpu": Row(bad=("yes", 1, None, np.bool_(True)), good=(True, False)),
         "max_wait_s": Row(bad=(0, -1, NAN, INF, 10 ** 400, True, "60"), good=(None, 30, 0.5)),
         "validate_resources": Row(bad=("no", 0, None), good=(True, False)),
+        "keep_workers_s": Row(bad=(-1, NAN, INF, 10 ** 400, True, "30", 86401), good=(None, 0, 30, 0.5)),
         "capacity": Row(bad=("spot", {"prefer": "spot"}, CapacityPolicy(max_on_demand_workers=5)),
                         good=(None, CapacityPolicy(), CapacityPolicy(max_on_demand_workers=2)),
                         base={"max_workers": 2}),

@@ -132,6 +132,12 @@ class SnapshotStore:
                 if time.monotonic() >= deadline or snap.done.wait(0.005):
                     break
 
+    def clear(self) -> None:
+        """Forget every snapshot: the run ended, and this process may serve another
+        (a kept worker, ``ScalingConfig.keep_workers_s``)."""
+        with self._lock:
+            self._snaps, self.run = [], None
+
     def nbytes(self) -> int:
         with self._lock:
             return sum(s.nbytes for s in self._snaps)

@@ -85,7 +85,7 @@ class WorkerGroup:
             resources=scaling.worker_resources(),
             use_gpu=scaling.use_gpu, storage=storage, run_rel=run_rel, run_name=run_name,
             async_upload=run.checkpoint_config.async_upload,
-            persist_every=run.checkpoint_config.persist_every,
+            persist_every=run.checkpoint_config.persist_every, keep_s=scaling.keep_workers_s or 0.0,
         ), poll_interval_s=run.poll_interval_s)
 
     # -- the pool's lifecycle ---------------------------------------------------------

@@ -9,20 +9,24 @@ becoming ready rather than by polling the node list.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import ray
 from ray.exceptions import RayActorError
 
 from raylastic._internal.snapshots.placement import WHOLE, Holding, is_whole
 from raylastic._internal.protocol import PROTOCOL_VERSION, Holdings, WorkerInfo
+from raylastic._internal.worker_group.keeper import find_keeper
 from raylastic.errors import ConfigError
 from raylastic.policies.node_types import RESOURCE_PREFIX
 
 logger = logging.getLogger("raylastic")
+# How long the pool waits on the keeper, and on a run's workers releasing at its end.
+KEEPER_CALL_S = 30.0
 
 
 def check_protocol(info: WorkerInfo) -> None:
@@ -78,10 +82,14 @@ class WorkerHandle:
 class WorkerPool:
     def __init__(self, *, target: int, resources: Dict[str, float], use_gpu: bool, storage,
                  run_rel: str, run_name: str, async_upload: bool = True,
-                 persist_every: Optional[int] = None):
+                 persist_every: Optional[int] = None, keep_s: float = 0.0):
         self._resources = dict(resources)
         self._use_gpu = use_gpu
         self._init_args = (storage, run_rel, run_name, async_upload, persist_every)
+        # Workers come from (and at the end go back to) the driver's keeper when the run
+        # keeps them (ScalingConfig.keep_workers_s; keeper.py), else the pool creates them.
+        self._keep_s = keep_s
+        self._keeper = find_keeper() if keep_s > 0 else None
         self._ids = itertools.count()
         self.workers: Dict[int, WorkerHandle] = {}
         self.last_ready_at: Optional[float] = None
@@ -138,19 +146,32 @@ class WorkerPool:
             missing = want - self.count(node_type)
             if missing <= 0:
                 continue
-            # Here, not at the top: the worker module imports torch, which the controller's
-            # process (where the pool lives) never needs.
-            from raylastic._internal.worker_group.worker import TrainWorker
-
-            cls = ray.remote(TrainWorker).options(**self._actor_options(node_type))
-            for _ in range(missing):
-                actor = cls.remote(*self._init_args)
+            for actor, kept in self._new_actors(node_type, missing):
                 wid = next(self._ids)
-                # Ray types actor methods as plain callables
-                info_ref = actor.info.remote()  # type: ignore[attr-defined]
+                # A kept worker (of an earlier run) serves this one from now on: rebind
+                # answers with its info, so nothing reaches it before that (a threaded
+                # actor's calls may run out of order).
+                info_ref = actor.rebind.remote(*self._init_args) if kept else actor.info.remote()
                 self.workers[wid] = WorkerHandle(wid, actor, info_ref, time.monotonic(), node_type=node_type)
                 n += 1
         return n
+
+    def _new_actors(self, node_type: Optional[str], n: int) -> List[Tuple[Any, bool]]:
+        """``n`` worker actors: from the keeper (kept ones first: True), or created here."""
+        options = self._actor_options(node_type)
+        if self._keeper is not None:
+            try:
+                return ray.get(self._keeper.lease.remote(_options_key(options), options, self._init_args, n),
+                               timeout=KEEPER_CALL_S)
+            except Exception as e:  # noqa: BLE001 - the keeper is a shortcut, never a failure
+                logger.warning("the worker keeper did not answer (%s); starting workers here", e)
+                self._keeper = None
+        # Here, not at the top: the worker module imports torch, which the controller's
+        # process (where the pool lives) never needs.
+        from raylastic._internal.worker_group.worker import TrainWorker
+
+        cls = ray.remote(TrainWorker).options(**options)
+        return [(cls.remote(*self._init_args), False) for _ in range(n)]
 
     def refresh(self) -> List[WorkerHandle]:
         """Collect actors that became ready; drop ones that died before that."""
@@ -186,8 +207,35 @@ class WorkerPool:
                 pass
 
     def shutdown(self) -> None:
+        """End the run's workers, or give the ready ones that released cleanly back to
+        the keeper (the run keeps its workers)."""
+        kept: Dict[str, List[Any]] = {}
+        if self._keeper is not None:
+            ready = {h.actor.release.remote(): h for h in self.workers.values() if h.ready}
+            done, _ = ray.wait(list(ready), num_returns=len(ready), timeout=KEEPER_CALL_S) if ready else ([], [])
+            for ref in done:
+                h = ready[ref]
+                try:
+                    if ray.get(ref):
+                        kept.setdefault(_options_key(self._actor_options(h.node_type)), []).append(h.actor)
+                        self.workers.pop(h.wid, None)
+                except Exception:  # noqa: BLE001 - gone or broken: killed below
+                    pass
+            try:
+                ray.get([self._keeper.keep.remote(key, actors, self._keep_s) for key, actors in kept.items()],
+                        timeout=KEEPER_CALL_S)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("the worker keeper did not take the run's workers (%s); ending them", e)
+                for actors in kept.values():
+                    for actor in actors:
+                        ray.kill(actor, no_restart=True)
         for h in list(self.workers.values()):
             self.remove(h, kill=True)
+
+
+def _options_key(options: Dict[str, Any]) -> str:
+    """Kept workers are taken only by a run asking for the same actor options."""
+    return json.dumps(options, sort_keys=True, default=str)
 
 
 def spares_holding_needed_state(ready: List, members: List, running: bool) -> List:

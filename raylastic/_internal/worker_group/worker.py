@@ -1,8 +1,10 @@
 """The worker actor: one per training slot, kept alive across membership changes.
 
 A worker survives every resize its node survives: the controller only tears down the
-torch process group, assigns a new rank, and re-enters the train function in a new
-thread of the same process. Imports, CUDA context and page cache stay warm.
+torch process group, assigns a new rank, and re-enters the train function in the same
+train thread of the same process. Imports, CUDA context and page cache stay warm. With
+``ScalingConfig.keep_workers_s`` it survives the run too: ``release`` at the run's end,
+``rebind`` to the next run (keeper.py).
 
 The train function runs in its own thread; the actor's other threads answer the
 controller (poll, stop, abort) while it trains.
@@ -82,29 +84,63 @@ class TrainWorker:
 
         ray_train_routes.route_on_import()  # before any train function is unpickled here
 
-        self._storage = storage
-        self._uploader = AsyncUploader(storage)
-        self._async_upload = async_upload
-        self._persist_every = persist_every
         # Cloud spot/preemption notices -> a Ray drain of this node, which the controller
         # turns into a graceful shrink (docs/preemption.md). None unless
         # RAYLASTIC_PREEMPTION_SOURCES names a source.
         self._notice_watcher = start_preemption_watcher()
+        self._lock = threading.Lock()
+        self._train = TrainThread("raylastic-train")
+        self._bind(storage, run_rel, run_name, async_upload, persist_every)
+
+    # -- the run it serves ---------------------------------------------------------
+    def rebind(self, storage, run_rel: str, run_name: str, async_upload: bool = True,
+               persist_every: Optional[int] = None) -> WorkerInfo:
+        """A kept worker (``ScalingConfig.keep_workers_s``), released by the run before,
+        serves run ``run_rel`` from now on. Answers ``info()``, so that the controller's
+        first call follows it (a threaded actor's calls may run out of order)."""
+        self._bind(storage, run_rel, run_name, async_upload, persist_every)
+        return self.info()
+
+    def _bind(self, storage, run_rel: str, run_name: str, async_upload: bool,
+              persist_every: Optional[int]) -> None:
+        if self._train.busy():
+            raise RuntimeError("rebind while the train function is still running")
+        self._storage = storage
+        self._uploader = AsyncUploader(storage)
+        self._async_upload = async_upload
+        self._persist_every = persist_every
         self._run_rel = run_rel
         self._run_name = run_name
-        self._lock = threading.Lock()
         # One join at a time: a join the controller gave up on (a member died while the
         # others waited for it in the rendezvous) may still be blocked in
         # init_process_group until the group timeout; the next join must not run beside it.
         self._join_lock = threading.Lock()
         self._join_epoch = -1  # the newest epoch asked to join; an older join still queued gives up
-        self._train = TrainThread("raylastic-train")
         self._session: Optional[Session] = None
         self._status = WorkerStatus.IDLE
         self._error: Optional[str] = None
         self._traceback = ""
         self._return_value: Any = None
         self._epoch = -1
+
+    def release(self, timeout_s: float = 10.0) -> bool:
+        """The run ended: leave its process group, drop its in-memory snapshots and
+        session, so that the process can serve another run (``rebind``). False (the
+        worker is not fit to be kept) if its train function or an upload is still busy."""
+        from raylastic._internal.distributed import process_group
+
+        if self._train.busy() or self._join_lock.locked():
+            return False
+        self._uploader.wait(timeout_s)
+        if self._uploader.pending:
+            return False
+        process_group.destroy_group()
+        process_group.release_store()
+        _store().clear()
+        _session._set_session(None)
+        with self._lock:
+            self._session, self._status, self._epoch = None, WorkerStatus.IDLE, -1
+        return True
 
     # -- identity ------------------------------------------------------------------
     def info(self) -> WorkerInfo:
