@@ -76,8 +76,10 @@ class ScalingConfig:
         keep_workers_s: keep the workers a run ends with this many seconds, for the next
             ``fit()`` from the same driver to take instead of starting new processes
             (a notebook, a sweep: each worker's start is ~5 CPU-s of imports). Kept
-            workers hold their resources meanwhile. ``None``: the environment variable
-            ``RAYLASTIC_KEEP_WORKERS_S``, else 0 (workers end with the run).
+            workers hold their resources meanwhile, and a module they imported stays as it
+            was (edit the train function's module between runs: pass 0). ``None``: the
+            environment variable ``RAYLASTIC_KEEP_WORKERS_S``, else 0 (workers end with
+            the run).
     """
 
     min_workers: int = 1

@@ -70,6 +70,21 @@ class _SharedCluster:
 _SHARED = _SharedCluster()
 
 
+def _keep_workers_between_runs(item) -> None:
+    """The integration tests keep a run's workers 30 s for the next ``fit()`` to take
+    (``ScalingConfig.keep_workers_s``, default 0): a worker's start is ~5 CPU-s of imports
+    on these 2 cores, and the suite runs ~115 fits. Set here, before the test's fixtures
+    (a module-scoped one may run fits), and for integration tests only. A test that passes
+    ``keep_workers_s`` itself is not changed by it (test_elastic_core.py covers both
+    values). ``RAYLASTIC_TEST_KEEP_WORKERS_S=0`` runs them with fresh workers per run."""
+    from raylastic.config import KEEP_ENV
+
+    if "integration" in item.path.parts:
+        os.environ[KEEP_ENV] = os.environ.get("RAYLASTIC_TEST_KEEP_WORKERS_S", "30")
+    else:
+        os.environ.pop(KEEP_ENV, None)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "no_ray: starts no Ray cluster of its own (a local_cluster kept for the next "
@@ -77,6 +92,7 @@ def pytest_configure(config):
 
 
 def pytest_runtest_setup(item):
+    _keep_workers_between_runs(item)
     # A test outside the modules using local_cluster may start Ray itself: the shared
     # cluster goes first (a module holding it keeps it for all of its tests).
     if not _SHARED.in_use and "local_cluster" not in item.fixturenames \
@@ -116,19 +132,6 @@ def local_cluster():
             except BaseException:
                 _SHARED.close()
                 raise
-
-
-@pytest.fixture(autouse=True)
-def _keep_workers_between_runs(request, monkeypatch):
-    """The integration tests keep a run's workers 30 s for the next ``fit()`` to take
-    (``ScalingConfig.keep_workers_s``, default 0): a worker's start is ~5 CPU-s of imports
-    on these 2 cores, and the suite runs ~115 fits. A test that passes ``keep_workers_s``
-    itself (test_elastic_core.py covers both values) is not changed by this.
-    ``RAYLASTIC_TEST_KEEP_WORKERS_S=0`` runs them with a fresh worker per run."""
-    if "integration" in request.node.path.parts:
-        from raylastic.config import KEEP_ENV
-
-        monkeypatch.setenv(KEEP_ENV, os.environ.get("RAYLASTIC_TEST_KEEP_WORKERS_S", "30"))
 
 
 @pytest.fixture

@@ -158,51 +158,6 @@ def test_crashed_worker_process_counts_as_a_failure(local_cluster, run_dir):
         th.wait(120)
 
 
-def test_capacity_wait_is_bounded(local_cluster, run_dir):
-    end_kept_workers()  # the suite keeps workers between runs (tests/conftest.py)
-    before = _actor_count()
-    trainer = ElasticTrainer(
-        ddp_regression, train_loop_config={"total_steps": 2},
-        scaling_config=ScalingConfig(min_workers=5, max_workers=5, max_wait_s=3, keep_workers_s=0),
-        run_config=RunConfig(name="short", storage_path=run_dir, verbose=False),
-    )
-    with pytest.raises(InsufficientCapacityError, match="min_workers=5"):
-        trainer.fit()
-    assert _actor_count() == before
-
-
-def _train_workers() -> int:
-    from ray._private.state import actors
-
-    return len([a for a in actors().values() if a["ActorClassName"] == "TrainWorker" and a["State"] != "DEAD"])
-
-
-def test_kept_workers_serve_the_next_fit_then_end(local_cluster, run_dir):
-    """keep_workers_s: the next fit() takes the workers the last one ended with (the same
-    processes, released from their run: the second run trains from scratch, as the first
-    did), and they end once kept that long. With 0 they end with the run."""
-    def fit(name, keep_s):
-        result = ElasticTrainer(
-            ddp_regression, train_loop_config={"total_steps": 6},
-            scaling_config=ScalingConfig(min_workers=3, max_workers=3, keep_workers_s=keep_s),
-            run_config=RunConfig(name=name, storage_path=run_dir, verbose=False),
-        ).fit()
-        assert result.error is None and result.metrics["step"] == 6 and result.world_sizes == [3]
-        group = [e for e in load_events(result.path) if e["kind"] == "group_formed"]
-        assert [e["restore_index"] for e in group] == [0]  # nothing of the earlier run came along
-        return sorted(group[0]["pids"]), result.metrics["loss"]
-
-    end_kept_workers()
-    first, loss = fit("keep-a", 4.0)
-    assert _train_workers() == 3  # kept, idle
-    again, loss_again = fit("keep-b", 4.0)
-    assert again == first and loss_again == loss
-    wait_until(lambda: _train_workers() == 0, 30, what="kept workers to end after keep_workers_s=4")
-    fresh, _ = fit("keep-c", 0)
-    assert not set(fresh) & set(first)
-    assert _train_workers() == 0
-
-
 def test_bad_input_rejected_before_any_actor(local_cluster, run_dir):
     before = _actor_count()
     with pytest.raises(ConfigError, match="no node in the cluster offers"):
@@ -280,6 +235,52 @@ def test_fit_again_resumes_from_the_last_committed_checkpoint(local_cluster, run
     epochs = [e["epoch"] for e in events if e["kind"] == "group_formed"]
     assert epochs[len(first_epochs):][0] == max(first_epochs) + 1, epochs  # never restarts at 1
     assert ray.is_initialized()
+
+
+def test_capacity_wait_is_bounded(local_cluster, run_dir):
+    end_kept_workers()  # the suite keeps workers between runs (tests/conftest.py)
+    before = _actor_count()
+    trainer = ElasticTrainer(
+        ddp_regression, train_loop_config={"total_steps": 2},
+        scaling_config=ScalingConfig(min_workers=5, max_workers=5, max_wait_s=3, keep_workers_s=0),
+        run_config=RunConfig(name="short", storage_path=run_dir, verbose=False),
+    )
+    with pytest.raises(InsufficientCapacityError, match="min_workers=5"):
+        trainer.fit()
+    assert _actor_count() == before
+
+
+def _train_workers() -> int:
+    from ray._private.state import actors
+
+    return len([a for a in actors().values() if a["ActorClassName"] == "TrainWorker" and a["State"] != "DEAD"])
+
+
+def test_kept_workers_serve_the_next_fit_then_end(local_cluster, run_dir):
+    """keep_workers_s: the next fit() takes the workers the last one ended with (the same
+    processes, released from their run: the second run trains from scratch, as the first
+    did), and they end once kept that long. With 0 they end with the run. (Near the end of
+    the module: the tests after it find no kept workers.)"""
+    def fit(name, keep_s):
+        result = ElasticTrainer(
+            ddp_regression, train_loop_config={"total_steps": 6},
+            scaling_config=ScalingConfig(min_workers=3, max_workers=3, keep_workers_s=keep_s),
+            run_config=RunConfig(name=name, storage_path=run_dir, verbose=False),
+        ).fit()
+        assert result.error is None and result.metrics["step"] == 6 and result.world_sizes == [3]
+        group = [e for e in load_events(result.path) if e["kind"] == "group_formed"]
+        assert [e["restore_index"] for e in group] == [0]  # nothing of the earlier run came along
+        return sorted(group[0]["pids"]), result.metrics["loss"]
+
+    end_kept_workers()
+    first, loss = fit("keep-a", 4.0)
+    assert _train_workers() == 3  # kept, idle
+    again, loss_again = fit("keep-b", 4.0)
+    assert again == first and loss_again == loss
+    wait_until(lambda: _train_workers() == 0, 30, what="kept workers to end after keep_workers_s=4")
+    fresh, _ = fit("keep-c", 0)
+    assert not set(fresh) & set(first)
+    assert _train_workers() == 0
 
 
 _CTRL_C_SCRIPT = '''
