@@ -10,6 +10,7 @@ checkpoints must still commit when most polls ask rank 0 only. No timing asserts
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 
@@ -46,4 +47,7 @@ def test_harness_measures_a_watched_group_and_its_recovery():
     # Checkpoints commit on the watched path. How many depends on the full polls the box
     # allows (the harness caps them at 4/s): with two busy loops beside it, 3 full polls in
     # the 3 s window and 4 commits in one run, 1 in another (2026-11-27), so at least one.
-    assert r["checkpoints_committed"] >= 1 and r["event_counts"].get("checkpoint_committed", 0) >= 1, r
+    # (The whole result as text: a dict message is cut short in the report, and a run that
+    # committed nothing, seen twice in clean-clone runs on a loaded box, said nothing more.)
+    assert r["checkpoints_committed"] >= 1 and r["event_counts"].get("checkpoint_committed", 0) >= 1, \
+        json.dumps(r, default=str)

@@ -12,6 +12,7 @@ controller (poll, stop, abort) while it trains.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import socket
@@ -140,6 +141,10 @@ class TrainWorker:
         _session._set_session(None)
         with self._lock:
             self._session, self._status, self._epoch = None, WorkerStatus.IDLE, -1
+        gc.collect()  # the run's model and optimizer, unless a cycle holds them
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # a kept worker holds no cached GPU memory of its last run
         return True
 
     # -- identity ------------------------------------------------------------------
