@@ -71,16 +71,17 @@ _SHARED = _SharedCluster()
 
 
 def _keep_workers_between_runs(item) -> None:
-    """The integration tests keep a run's workers 30 s for the next ``fit()`` to take
-    (``ScalingConfig.keep_workers_s``, default 0): a worker's start is ~5 CPU-s of imports
-    on these 2 cores, and the suite runs ~115 fits. Set here, before the test's fixtures
-    (a module-scoped one may run fits), and for integration tests only. A test that passes
-    ``keep_workers_s`` itself is not changed by it (test_elastic_core.py covers both
-    values). ``RAYLASTIC_TEST_KEEP_WORKERS_S=0`` runs them with fresh workers per run."""
+    """``RAYLASTIC_TEST_KEEP_WORKERS_S=30`` makes the integration tests keep a run's workers
+    30 s for the next ``fit()`` to take (``ScalingConfig.keep_workers_s``): a worker's start
+    is ~5 CPU-s of imports on these 2 cores, and the suite runs ~115 fits (25 min instead of
+    27-28 in two clean-clone runs). Off by default: in a third run the FSDP2 3-2-3 test's
+    restore from peer memory failed on a shard shape (docs/status.md), not yet explained.
+    Set here, before the test's fixtures (a module-scoped one may run fits), and for
+    integration tests only; a test that passes ``keep_workers_s`` itself is not changed."""
     from raylastic.config import KEEP_ENV
 
     if "integration" in item.path.parts:
-        os.environ[KEEP_ENV] = os.environ.get("RAYLASTIC_TEST_KEEP_WORKERS_S", "30")
+        os.environ[KEEP_ENV] = os.environ.get("RAYLASTIC_TEST_KEEP_WORKERS_S", "0")
     else:
         os.environ.pop(KEEP_ENV, None)
 
