@@ -28,15 +28,9 @@ from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _driver import RESULTS, fresh_cluster, run_header  # noqa: E402
+from control_plane import _box_cpu  # noqa: E402  (the machine's busy CPU-seconds so far)
 
 from raylastic._internal.worker_group.keeper import end_kept_workers  # noqa: E402
-
-
-def _busy_cpu_s() -> float:
-    """CPU-seconds the machine has been busy (all cores; not idle, not iowait)."""
-    with open("/proc/stat") as fh:
-        fields = [int(x) for x in fh.readline().split()[1:]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _fit(storage: str, name: str, keep_s: float, steps: int, workers: int) -> Dict[str, Any]:
@@ -44,13 +38,13 @@ def _fit(storage: str, name: str, keep_s: float, steps: int, workers: int) -> Di
     from raylastic.events import load_events
     from raylastic.testing.train_funcs import ddp_regression
 
-    t0, c0 = time.perf_counter(), _busy_cpu_s()
+    t0, c0 = time.perf_counter(), _box_cpu()
     result = ElasticTrainer(
         ddp_regression, train_loop_config={"total_steps": steps},
         scaling_config=ScalingConfig(min_workers=workers, max_workers=workers, keep_workers_s=keep_s),
         run_config=RunConfig(name=name, storage_path=storage, verbose=False, progress=False),
     ).fit()
-    wall, cpu = time.perf_counter() - t0, _busy_cpu_s() - c0
+    wall, cpu = time.perf_counter() - t0, _box_cpu() - c0
     events = load_events(result.path)
     started = next(e["ts"] for e in events if e["kind"] == "run_started")
     first = next(e["ts"] for e in events if e["kind"] == "first_step")

@@ -50,9 +50,10 @@ class KeptWorkers:
         smaller first group and grow it at once, where new workers start together); and
         every other idle worker, to end now. A run asks for all the workers it wants at
         once, so what it does not take holds resources it may need."""
-        fits = [w for key_, w, expires in self._idle if key_ == key and expires > now]
-        taken = fits[:n] if len(fits) >= n else []
-        ended = [w for _, w, _ in self._idle if all(w is not t for t in taken)]
+        fits = [i for i, (key_, _, expires) in enumerate(self._idle) if key_ == key and expires > now]
+        chosen = set(fits[:n]) if len(fits) >= n else set()
+        taken = [w for i, (_, w, _) in enumerate(self._idle) if i in chosen]
+        ended = [w for i, (_, w, _) in enumerate(self._idle) if i not in chosen]
         self._idle = []
         return taken, ended
 
@@ -104,10 +105,6 @@ class WorkerKeeper:
         _end(workers)
         return len(workers)
 
-    def idle(self) -> int:
-        with self._lock:
-            return len(self._kept)
-
     def _reap(self) -> None:
         while True:
             self._wake.wait(0.5)
@@ -139,9 +136,10 @@ def keeper_name() -> str:
     return f"raylastic-keeper-{ray.get_runtime_context().get_job_id()}"
 
 
-# The driver's handle, by cluster and job: Ray ends an actor once its creator's handle is
-# gone, so the driver holds on to the one it created. (Job ids restart with each cluster.)
-_handles: Dict[Tuple[str, str], Any] = {}
+# The driver's handle and the (cluster, job) it belongs to: Ray ends an actor once its
+# creator's handle is gone, so the driver holds on to the one it created. (Job ids restart
+# with each cluster, hence the cluster in the key.)
+_held: Optional[Tuple[Tuple[str, str], Any]] = None
 
 
 def _job_key() -> Tuple[str, str]:
@@ -152,13 +150,13 @@ def _job_key() -> Tuple[str, str]:
 def ensure_keeper() -> Any:
     """The driver's keeper, created on first use (by the driver: it lives as long as the
     driver does)."""
+    global _held
     key = _job_key()
-    if key not in _handles:
-        _handles.clear()  # a keeper of an earlier Ray job (ray.shutdown, ray.init) is gone
-        _handles[key] = ray.remote(WorkerKeeper).options(
+    if _held is None or _held[0] != key:  # none yet, or one of an earlier job: gone with it
+        _held = (key, ray.remote(WorkerKeeper).options(
             name=keeper_name(), num_cpus=0, max_concurrency=4, max_restarts=0, resources={HEAD_RESOURCE: 0.001},
-        ).remote()
-    return _handles[key]
+        ).remote())
+    return _held[1]
 
 
 def find_keeper() -> Optional[Any]:
@@ -172,5 +170,6 @@ def find_keeper() -> Optional[Any]:
 def end_kept_workers() -> int:
     """End the workers this driver keeps, now (their resources are free at once); returns
     how many. A no-op where it keeps none."""
-    handle = _handles.get(_job_key()) if ray.is_initialized() else None
-    return ray.get(handle.end_all.remote()) if handle is not None else 0
+    if _held is None or not ray.is_initialized() or _held[0] != _job_key():
+        return 0
+    return ray.get(_held[1].end_all.remote())
