@@ -7,6 +7,7 @@ at once."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import time
 
@@ -99,6 +100,35 @@ def pytest_runtest_setup(item):
     if not _SHARED.in_use and "local_cluster" not in item.fixturenames \
             and item.get_closest_marker("no_ray") is None:
         _SHARED.close()
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU-seconds of the whole machine so far, from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = ticks[3] + ticks[4]
+    return (sum(ticks) - idle) / hz, sum(ticks) / hz
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``RAYLASTIC_TEST_PROFILE=FILE``: one JSON line per test (setup, call and teardown
+    together) with its wall seconds and the CPU-seconds the whole machine was busy
+    meanwhile, to find where the suite's time goes (the machine's, as a test's Ray
+    processes are not children of pytest)."""
+    path = os.environ.get("RAYLASTIC_TEST_PROFILE")
+    if not path:
+        return (yield)
+    t0, (busy0, total0) = time.monotonic(), _machine_cpu()
+    try:
+        return (yield)
+    finally:
+        busy1, total1 = _machine_cpu()
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2),
+                                "busy_cpu_s": round(busy1 - busy0, 1),
+                                "idle_cpu_s": round((total1 - total0) - (busy1 - busy0), 1)}) + "\n")
 
 
 @pytest.hookimpl(wrapper=True)
