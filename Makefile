@@ -97,7 +97,10 @@ demo: $(DSSTAMP)
 # 2026-11-26) and one at nice 19 still gets 15/36 of a worker's share. The integration tests
 # that start no Ray cluster (IT_NO_RAY: storage servers restarting, torchrun agents, gloo
 # ranks, with timeouts of their own) run beside them at nice 15 (NICE_AS_RAY), on an equal
-# footing with Ray's workers. The ZeRO integration tests, near the end, wait for DeepSpeed's
+# footing with Ray's workers, from when the unit tests have ended: before that the machine
+# has no idle CPU (measured with RAYLASTIC_TEST_PROFILE, 2026-11-27), so they ran on the
+# Ray workers' share; after it, the Ray tests leave ~30% of it idle (waits on failure
+# detection, paced steps, starting nodes), which they can take instead. The ZeRO integration tests, near the end, wait for DeepSpeed's
 # install (RAYLASTIC_TEST_DEEPSPEED_RC, see tests/conftest.py). Each background job writes
 # .cache/<job>.log and .rc; `make test` shows them after the integration tests and fails at
 # the end, naming what failed. Before (2026-11-26) the integration tests waited ~205 s from a
@@ -141,7 +144,8 @@ test:
 		$(MAKE) --no-print-directory $(DSSTAMP); r=$$?; echo $$r >.cache/deepspeed-installed.rc; \
 		test $$r = 0 && $(UNIT_PYTEST) $(UNIT_DS))
 	@$(call BG_JOB,lint,$(MAKE) --no-print-directory lint)
-	@$(NICE_AS_RAY) $(PY) -m pytest -q -ra -p no:cacheprovider $(IT_NO_RAY) >.cache/it-no-ray.log 2>&1 & noray=$$!; \
+	@{ $(call WAIT_RC,unit-slow) $(call WAIT_RC,unit-rest) \
+	  $(NICE_AS_RAY) $(PY) -m pytest -q -ra -p no:cacheprovider $(IT_NO_RAY); } >.cache/it-no-ray.log 2>&1 & noray=$$!; \
 	RAYLASTIC_TEST_DEEPSPEED_RC=.cache/deepspeed-installed.rc \
 	$(PY) -m pytest -q -ra --durations=15 --ignore=tests/unit $(addprefix --ignore=,$(IT_NO_RAY)) tests; rc=$$?; \
 	wait $$noray; noray=$$?; echo "== integration tests without Ray (beside the others): $(IT_NO_RAY)"; \

@@ -249,6 +249,16 @@ def measure(n: int, *, window_s: float, step_s: float, poll_interval_s: float,
                 "box_cpu_busy_cores": round((box1 - box0) / wall, 2),
                 "worker_processes_cpu_cores": round((w1 - w0) / wall, 2),
             }
+            if checkpoint_every:
+                # The node loss ends the steady state: first a checkpoint must have
+                # committed on the watched path (bounded), however slow the box. Rank 0's
+                # reports wait for its previous upload, and with DeepSpeed's build and the
+                # unit tests beside it none committed in the ~4 s before the loss (three
+                # clean-clone runs, 2026-11-27).
+                t_wait = time.monotonic()
+                _wait(lambda: _ended(run_ref) or _events(run_dir, "checkpoint_committed"), timeout_s,
+                      "a committed checkpoint")
+                out["waited_for_first_commit_s"] = round(time.monotonic() - t_wait, 2)
             if loss:
                 out["loss"] = _node_loss(cluster, run_dir, ctrl, run_ref, n, timeout_s)
         finally:
