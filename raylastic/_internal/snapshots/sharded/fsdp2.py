@@ -29,8 +29,21 @@ def _dtensor_chunk(key: str, t: Any) -> Piece:
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(shape) != tuple(local.shape):
         raise RuntimeError(f"{key}: local shard shape {tuple(local.shape)} differs from the placement's "
-                           f"{tuple(shape)} (padded or strided shards are not supported)")
+                           f"{tuple(shape)} (padded or strided shards are not supported; {_mesh_view(t)})")
     return Chunk(key, tuple(t.shape), tuple(offset), tuple(local.shape), str(local.dtype)), local
+
+
+def _mesh_view(t: Any) -> str:
+    """Which rank the DTensor's mesh and the process group each say this is: a shard
+    shape that differs from its placement was seen once (an FSDP2 3-2-3 run, 2026-11-27,
+    not reproduced since), and this says which of them disagreed."""
+    import torch.distributed as dist
+    try:
+        mesh = t.device_mesh
+        return (f"mesh {mesh.mesh.tolist()} coordinate {mesh.get_coordinate()} local rank "
+                f"{mesh.get_local_rank()}; process group rank {dist.get_rank()} of {dist.get_world_size()}")
+    except Exception as e:  # noqa: BLE001 - a diagnostic only
+        return f"mesh not readable: {e!r}"
 
 
 def _whole_chunk(key: str, t: torch.Tensor) -> Piece:
