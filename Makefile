@@ -85,8 +85,8 @@ install: $(DSSTAMP) $(AZURITE)
 demo: $(DSSTAMP)
 	$(PY) examples/demo.py
 
-# `make test` puts on the critical path only what the integration tests (the Ray work, in one
-# pytest process, one Ray cluster at a time) need: torch, then the lock's install beside Azurite's npm install,
+# `make test` puts on the critical path only what the integration tests (the Ray work, one
+# Ray cluster at a time) need: torch, then the lock's install beside Azurite's npm install,
 # then check-configs. Everything else runs beside the integration tests at idle scheduling
 # priority (BG: `chrt -i 0`, SCHED_IDLE; nice 19 where chrt is missing), in the CPU they
 # leave idle (about 40%, measured): DeepSpeed's wheel build (from the moment torch is in) and
@@ -111,12 +111,6 @@ NICE_AS_RAY := nice -n 15
 # ranks): mostly waits on servers restarting and retries.
 IT_NO_RAY := $(addprefix tests/integration/,test_storage_backends.py test_torchrun_azure.py \
 	test_rendezvous_azure_backend.py test_stripes_gloo.py test_gloo_abort.py)
-# Then, in the same lane, the integration tests that start a Ray cluster of their own
-# (a simulated cloud's, or `ray start --head` in a temp dir of its own) and wait on it more
-# than they compute (half the machine idle while they ran in the main lane, measured with
-# RAYLASTIC_TEST_PROFILE): beside the main lane's, in its idle CPU. Each asserts on its own
-# cluster's processes only (by session or temp dir) and connects by address.
-IT_OWN_RAY := $(addprefix tests/integration/,test_sim_cloud.py test_spot_training.py test_interfaces.py)
 # $(call BG_JOB,name,command): run command in the background at BG priority; its output in
 # .cache/name.log, its exit status in .cache/name.rc once it ends.
 BG_JOB = (rm -f .cache/$(1).rc; $(BG) sh -c '$(2)' </dev/null >.cache/$(1).log 2>&1; echo $$? >.cache/$(1).rc) &
@@ -151,13 +145,10 @@ test:
 		test $$r = 0 && $(UNIT_PYTEST) $(UNIT_DS))
 	@$(call BG_JOB,lint,$(MAKE) --no-print-directory lint)
 	@{ $(call WAIT_RC,unit-slow) $(call WAIT_RC,unit-rest) \
-	  $(NICE_AS_RAY) $(PY) -m pytest -q -ra -p no:cacheprovider $(IT_NO_RAY); a=$$?; \
-	  $(NICE_AS_RAY) $(PY) -m pytest -q -ra -p no:cacheprovider $(IT_OWN_RAY); b=$$?; \
-	  test $$a = 0 && test $$b = 0; } >.cache/it-no-ray.log 2>&1 & noray=$$!; \
+	  $(NICE_AS_RAY) $(PY) -m pytest -q -ra -p no:cacheprovider $(IT_NO_RAY); } >.cache/it-no-ray.log 2>&1 & noray=$$!; \
 	RAYLASTIC_TEST_DEEPSPEED_RC=.cache/deepspeed-installed.rc \
-	$(PY) -m pytest -q -ra --durations=15 --ignore=tests/unit $(addprefix --ignore=,$(IT_NO_RAY) $(IT_OWN_RAY)) tests; \
-	rc=$$?; wait $$noray; noray=$$?; \
-	echo "== integration tests beside the others, without Ray, then with a cluster of their own: $(IT_NO_RAY) $(IT_OWN_RAY)"; \
+	$(PY) -m pytest -q -ra --durations=15 --ignore=tests/unit $(addprefix --ignore=,$(IT_NO_RAY)) tests; rc=$$?; \
+	wait $$noray; noray=$$?; echo "== integration tests without Ray (beside the others): $(IT_NO_RAY)"; \
 	cat .cache/it-no-ray.log; test $$noray -eq 0 || rc=1; \
 	$(call BG_SHOW,lint unit-slow unit-rest deepspeed); exit $$rc
 

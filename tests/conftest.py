@@ -1,9 +1,8 @@
 """Shared fixtures. The ``local_cluster`` Ray cluster is started once and kept for the
 modules that follow each other using it (each module gets it back at 3 worker nodes); it is
 shut down before any other test runs (a test that may start a Ray cluster of its own) and at
-the end of the session, so no Ray process outlives the session and this pytest process never
-runs two clusters at once. (``make test`` runs a few modules with clusters of their own in a
-second pytest process beside this one: the Makefile's ``IT_OWN_RAY``.)"""
+the end of the session, so no Ray process outlives the session and two clusters never run
+at once."""
 
 from __future__ import annotations
 

@@ -8,13 +8,21 @@ A subclass builds its command line and readiness check; the lifecycle is here.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import time
 import weakref
-from typing import List, Optional
+from typing import Callable, List, Optional
+
+logger = logging.getLogger(__name__)
+
+
+def _port_taken(log: str) -> bool:
+    """Whether a server's log says it could not bind a port someone else holds."""
+    return "EADDRINUSE" in log or "address already in use" in log.lower()
 
 
 def kill_group(proc: subprocess.Popen, grace_s: float) -> None:
@@ -60,6 +68,7 @@ class ServerProcess:
     def __init__(self, workdir: str, delete_workdir: bool) -> None:
         self._workdir = workdir
         self._proc: Optional[subprocess.Popen] = None
+        self._started = False  # a start succeeded: clients may hold the ports from then on
         self._procs: List[Optional[subprocess.Popen]] = [None]  # the finalizer must not hold self
         self._finalizer = weakref.finalize(self, _cleanup, self._procs, workdir if delete_workdir else None)
 
@@ -77,6 +86,32 @@ class ServerProcess:
             self._proc = subprocess.Popen(cmd, cwd=self._workdir, stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True)
         self._procs[0] = self._proc
+
+    def _launch(self, start_once: Callable[[], None], new_ports: Callable[[], None]) -> None:
+        """``start_once()`` (spawn, wait until ready); until a start has succeeded, one that
+        failed because another process took one of the ports picks new ones
+        (``new_ports()``) and tries again, 3 tries in all. Why: the ports are picked free
+        and released, and bound a moment later by the server; Azurite once found one taken
+        meanwhile (``EADDRINUSE``, a clean-clone ``make test``, 2026-11-27) and failed a
+        whole module's fixture. After the first start clients hold the ports, so a restart
+        keeps them and fails as before."""
+        for attempt in range(3):
+            log_at = self._log_size()
+            try:
+                start_once()
+                self._started = True
+                return
+            except RuntimeError:
+                if self._started or attempt == 2 or not _port_taken(self._log_tail(since=log_at)):
+                    raise
+                logger.warning("%s: a port was taken before it could bind; new ports", self.server_name)
+                new_ports()
+
+    def _log_size(self) -> int:
+        try:
+            return os.path.getsize(self.log_path)
+        except OSError:
+            return 0
 
     def _probe(self) -> None:  # pragma: no cover - every probing harness has its own
         raise NotImplementedError
@@ -106,9 +141,10 @@ class ServerProcess:
         raise RuntimeError(f"{self.server_name} {why}; {self._where()}; log tail:\n{self._log_tail()}\n"
                            "raise startup_timeout_s on a loaded machine")
 
-    def _log_tail(self, n: int = 3000) -> str:
+    def _log_tail(self, n: int = 3000, since: int = 0) -> str:
         try:
             with open(self.log_path, "rb") as f:
+                f.seek(since)
                 return f.read()[-n:].decode(errors="replace")
         except OSError:
             return "<no log>"

@@ -81,8 +81,7 @@ class Azurite(ServerProcess):
             raise AzuriteNotInstalled(f"azurite executable not found ({exe or _REPO_AZURITE}); {_INSTALL_HINT}")
         self.executable = exe
         self.startup_timeout_s = startup_timeout_s
-        # one call: ports picked one by one can repeat (seen: table and queue on one port)
-        self.blob_port, self.table_port, self.queue_port = free_ports(3, self.host)
+        self._new_ports()
         super().__init__(tempfile.mkdtemp(prefix="raylastic-azurite-"), delete_workdir=True)
 
     # -- endpoints --------------------------------------------------------------------------
@@ -108,9 +107,14 @@ class Azurite(ServerProcess):
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> "Azurite":
-        """Start (or restart) the emulator on this instance's ports; wait until all accept."""
+        """Start (or restart) the emulator on this instance's ports; wait until all accept.
+        (Until a first start succeeds, a port taken by someone else moves it to new ones.)"""
         if self.running:
             return self
+        self._launch(self._start_once, self._new_ports)
+        return self
+
+    def _start_once(self) -> None:
         cmd = [
             self.executable,
             "--inMemoryPersistence", "--disableTelemetry", "--skipApiVersionCheck", "--loose",
@@ -121,7 +125,10 @@ class Azurite(ServerProcess):
         ]
         self._spawn(cmd)  # own process group: stop() kills node and its children
         self._wait_ready()
-        return self
+
+    def _new_ports(self) -> None:
+        # one call: ports picked one by one can repeat (seen: table and queue on one port)
+        self.blob_port, self.table_port, self.queue_port = free_ports(3, self.host)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

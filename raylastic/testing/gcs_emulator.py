@@ -119,6 +119,13 @@ class FakeGcs(ServerProcess):
         """Start (or restart on the same port and data dir) and wait until writable."""
         if self.running:
             return self
+        self._launch(self._start_once, self._new_port)
+        return self
+
+    def _new_port(self) -> None:
+        self.port = free_port(self.host)
+
+    def _start_once(self) -> None:
         cmd = [
             self.executable, "-scheme", "http", "-host", self.host, "-port", str(self.port),
             "-external-url", self.endpoint, "-backend", "filesystem",
@@ -126,7 +133,6 @@ class FakeGcs(ServerProcess):
         ]
         self._spawn(cmd)
         self._wait_ready()
-        return self
 
     def _where(self) -> str:
         return f"port {self.port}"

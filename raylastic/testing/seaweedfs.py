@@ -71,7 +71,7 @@ class SeaweedS3(ServerProcess):
         self.startup_timeout_s = startup_timeout_s
         self.access_key = "raylastic-admin"
         self.secret_key = uuid.uuid4().hex  # per-instance: a leaked test key opens nothing
-        self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES))))
+        self._new_ports()
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="raylastic-seaweed-")
         os.makedirs(self.data_dir, exist_ok=True)
@@ -126,6 +126,13 @@ class SeaweedS3(ServerProcess):
         """Start (or restart on the same ports and data dir) and wait until writable."""
         if self.running:
             return self
+        self._launch(self._start_once, self._new_ports)
+        return self
+
+    def _new_ports(self) -> None:
+        self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES))))
+
+    def _start_once(self) -> None:
         p = self.ports
         cmd = [
             self.executable, "server",
@@ -143,7 +150,6 @@ class SeaweedS3(ServerProcess):
         ]
         self._spawn(cmd)
         self._wait_ready()
-        return self
 
     def _where(self) -> str:
         return f"ports {self.ports}"

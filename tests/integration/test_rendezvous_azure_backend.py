@@ -436,6 +436,31 @@ def test_azurite_harness_restarts_on_same_ports_and_leaves_nothing():
     assert not psutil.pid_exists(pid)
 
 
+def test_azurite_harness_moves_to_new_ports_only_before_its_first_start():
+    """A port taken between picking it and binding it (another process's server, say):
+    the first start moves to new ports; a restart keeps its ports, which clients hold, and
+    fails clearly instead."""
+    az = Azurite()
+    taken = az.table_port
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        with az:
+            assert az.running and az.table_port != taken
+            holder.close()
+            holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            ports = (az.blob_port, az.table_port, az.queue_port)
+            az.stop()
+            holder.bind(("127.0.0.1", az.queue_port))
+            holder.listen()
+            with pytest.raises(RuntimeError, match="EADDRINUSE"):
+                az.start()
+            assert (az.blob_port, az.table_port, az.queue_port) == ports and not az.running
+    finally:
+        holder.close()
+
+
 def test_table_scoped_sas_works_when_the_table_exists(azurite, monkeypatch):
     from azure.data.tables import TableSasPermissions, generate_table_sas
 
