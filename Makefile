@@ -100,8 +100,9 @@ demo: $(DSSTAMP)
 # footing with Ray's workers, from when the unit tests have ended: before that the machine
 # has no idle CPU (measured with RAYLASTIC_TEST_PROFILE, 2026-11-27), so they ran on the
 # Ray workers' share; after it, the Ray tests leave ~30% of it idle (waits on failure
-# detection, paced steps, starting nodes), which they can take instead. The ZeRO integration tests, near the end, wait for DeepSpeed's
-# install (RAYLASTIC_TEST_DEEPSPEED_RC, see tests/conftest.py). Each background job writes
+# detection, paced steps, starting nodes), which they can take instead. The ZeRO
+# integration tests, near the end, wait for DeepSpeed's install
+# (RAYLASTIC_TEST_DEEPSPEED_RC, see tests/conftest.py). Each background job writes
 # .cache/<job>.log and .rc; `make test` shows them after the integration tests and fails at
 # the end, naming what failed. Before (2026-11-26) the integration tests waited ~205 s from a
 # fresh clone for the installs, DeepSpeed and the unit tests; now ~80 s.

@@ -56,6 +56,7 @@ from raylastic.checkpoint.storage import Storage
 from raylastic.config import RunConfig, ScalingConfig
 from raylastic.events import EVENTS_FILE, METRICS_FILE, load_events
 from raylastic.testing.cluster import LocalCluster
+from raylastic.testing.machine import cpu_seconds
 from raylastic.trainer import HEAD_RESOURCE
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -173,13 +174,6 @@ def _log_bytes(run_dir: str) -> int:
                if os.path.exists(os.path.join(run_dir, f)))
 
 
-def _box_cpu() -> float:
-    """CPU seconds the whole machine spent busy so far (to say how loaded it was)."""
-    with open("/proc/stat") as fh:
-        parts = [float(x) for x in fh.readline().split()[1:]]
-    return (sum(parts) - parts[3] - parts[4]) / os.sysconf("SC_CLK_TCK")
-
-
 def _workers_cpu() -> float:
     """CPU seconds used so far by this machine's worker actor processes (``ray::TrainWorker``):
     the load the controller competes with on this box."""
@@ -223,11 +217,11 @@ def measure(n: int, *, window_s: float, step_s: float, poll_interval_s: float,
             formed = _events(run_dir, "group_formed", world_size=n)[0]
             out["start_to_group_formed_s"] = round(formed["ts"] - t_start, 2)
             time.sleep(min(5.0, window_s / 4))  # first polls after the start settle
-            box0, bytes0, w0 = _box_cpu(), _log_bytes(run_dir), _workers_cpu()
+            box0, bytes0, w0 = cpu_seconds()[0], _log_bytes(run_dir), _workers_cpu()
             s0 = ray.get(ctrl.bench_stats.remote())
             time.sleep(window_s)
             s1 = ray.get(ctrl.bench_stats.remote())
-            box1, bytes1, w1 = _box_cpu(), _log_bytes(run_dir), _workers_cpu()
+            box1, bytes1, w1 = cpu_seconds()[0], _log_bytes(run_dir), _workers_cpu()
             out["raylastic_imported_from"] = s1["raylastic"]
             # rendezvous + gloo init of the first group (n ranks): the process group's cost
             out["initial_setup_s"] = round(max(d for (_e, k, d) in s1["setups"] if k == n), 3)

@@ -28,9 +28,9 @@ from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _driver import RESULTS, fresh_cluster, run_header  # noqa: E402
-from control_plane import _box_cpu  # noqa: E402  (the machine's busy CPU-seconds so far)
 
 from raylastic._internal.worker_group.keeper import end_kept_workers  # noqa: E402
+from raylastic.testing.machine import cpu_seconds  # noqa: E402
 
 
 def _fit(storage: str, name: str, keep_s: float, steps: int, workers: int) -> Dict[str, Any]:
@@ -38,13 +38,13 @@ def _fit(storage: str, name: str, keep_s: float, steps: int, workers: int) -> Di
     from raylastic.events import load_events
     from raylastic.testing.train_funcs import ddp_regression
 
-    t0, c0 = time.perf_counter(), _box_cpu()
+    t0, c0 = time.perf_counter(), cpu_seconds()[0]
     result = ElasticTrainer(
         ddp_regression, train_loop_config={"total_steps": steps},
         scaling_config=ScalingConfig(min_workers=workers, max_workers=workers, keep_workers_s=keep_s),
         run_config=RunConfig(name=name, storage_path=storage, verbose=False, progress=False),
     ).fit()
-    wall, cpu = time.perf_counter() - t0, _box_cpu() - c0
+    wall, cpu = time.perf_counter() - t0, cpu_seconds()[0] - c0
     events = load_events(result.path)
     started = next(e["ts"] for e in events if e["kind"] == "run_started")
     first = next(e["ts"] for e in events if e["kind"] == "first_step")

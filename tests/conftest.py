@@ -102,15 +102,6 @@ def pytest_runtest_setup(item):
         _SHARED.close()
 
 
-def _machine_cpu() -> tuple[float, float]:
-    """(busy, total) CPU-seconds of the whole machine so far, from /proc/stat."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:9]]
-    hz = os.sysconf("SC_CLK_TCK")
-    idle = ticks[3] + ticks[4]
-    return (sum(ticks) - idle) / hz, sum(ticks) / hz
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """``RAYLASTIC_TEST_PROFILE=FILE``: one JSON line per test (setup, call and teardown
@@ -120,11 +111,13 @@ def pytest_runtest_protocol(item, nextitem):
     path = os.environ.get("RAYLASTIC_TEST_PROFILE")
     if not path:
         return (yield)
-    t0, (busy0, total0) = time.monotonic(), _machine_cpu()
+    from raylastic.testing.machine import cpu_seconds
+
+    t0, (busy0, total0) = time.monotonic(), cpu_seconds()
     try:
         return (yield)
     finally:
-        busy1, total1 = _machine_cpu()
+        busy1, total1 = cpu_seconds()
         with open(path, "a") as f:
             f.write(json.dumps({"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2),
                                 "busy_cpu_s": round(busy1 - busy0, 1),

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import time
 import weakref
-from typing import Callable, List, Optional
+from typing import List, Optional, Self
 
 logger = logging.getLogger(__name__)
 
@@ -87,26 +87,6 @@ class ServerProcess:
                                           stderr=subprocess.STDOUT, start_new_session=True)
         self._procs[0] = self._proc
 
-    def _launch(self, start_once: Callable[[], None], new_ports: Callable[[], None]) -> None:
-        """``start_once()`` (spawn, wait until ready); until a start has succeeded, one that
-        failed because another process took one of the ports picks new ones
-        (``new_ports()``) and tries again, 3 tries in all. Why: the ports are picked free
-        and released, and bound a moment later by the server; Azurite once found one taken
-        meanwhile (``EADDRINUSE``, a clean-clone ``make test``, 2026-11-27) and failed a
-        whole module's fixture. After the first start clients hold the ports, so a restart
-        keeps them and fails as before."""
-        for attempt in range(3):
-            log_at = self._log_size()
-            try:
-                start_once()
-                self._started = True
-                return
-            except RuntimeError:
-                if self._started or attempt == 2 or not _port_taken(self._log_tail(since=log_at)):
-                    raise
-                logger.warning("%s: a port was taken before it could bind; new ports", self.server_name)
-                new_ports()
-
     def _log_size(self) -> int:
         try:
             return os.path.getsize(self.log_path)
@@ -161,7 +141,36 @@ class ServerProcess:
         self.stop()
         self._finalizer()
 
-    def start(self):  # pragma: no cover - every harness has its own
+    def start(self) -> Self:
+        """Start (or restart on the same ports and data) and wait until ready. Until a
+        start has succeeded, one that failed because another process took one of the
+        ports picks new ones and tries again, 3 tries in all. Why: the ports are picked
+        free and released, and bound a moment later by the server; Azurite once found one
+        taken meanwhile (``EADDRINUSE``, a clean-clone ``make test``, 2026-11-27) and failed
+        a whole module's fixture. After the first start clients hold the ports, so a
+        restart keeps them and fails as before."""
+        if self.running:
+            return self
+        tries = 0
+        while True:
+            tries += 1
+            log_at = self._log_size()
+            try:
+                self._start_once()
+                self._started = True
+                return self
+            except RuntimeError:
+                if self._started or tries == 3 or not _port_taken(self._log_tail(since=log_at)):
+                    raise
+                logger.warning("%s: a port was taken before it could bind; new ports", self.server_name)
+                self._new_ports()
+
+    def _start_once(self) -> None:  # pragma: no cover - every harness has its own
+        """Spawn the server on the current ports and wait until it is ready."""
+        raise NotImplementedError
+
+    def _new_ports(self) -> None:  # pragma: no cover - every harness has its own
+        """Pick free ports for the next start."""
         raise NotImplementedError
 
     def __enter__(self):

@@ -106,14 +106,6 @@ class Azurite(ServerProcess):
         )
 
     # -- lifecycle --------------------------------------------------------------------------
-    def start(self) -> "Azurite":
-        """Start (or restart) the emulator on this instance's ports; wait until all accept.
-        (Until a first start succeeds, a port taken by someone else moves it to new ones.)"""
-        if self.running:
-            return self
-        self._launch(self._start_once, self._new_ports)
-        return self
-
     def _start_once(self) -> None:
         cmd = [
             self.executable,

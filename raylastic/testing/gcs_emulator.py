@@ -77,7 +77,7 @@ class FakeGcs(ServerProcess):
         self.executable = exe
         self.bucket = bucket
         self.startup_timeout_s = startup_timeout_s
-        self.port = free_port(self.host)
+        self._new_ports()
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="raylastic-fakegcs-")
         os.makedirs(os.path.join(self.data_dir, "objects"), exist_ok=True)
@@ -115,14 +115,7 @@ class FakeGcs(ServerProcess):
             fs.create_dir(name)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "FakeGcs":
-        """Start (or restart on the same port and data dir) and wait until writable."""
-        if self.running:
-            return self
-        self._launch(self._start_once, self._new_port)
-        return self
-
-    def _new_port(self) -> None:
+    def _new_ports(self) -> None:
         self.port = free_port(self.host)
 
     def _start_once(self) -> None:

@@ -122,13 +122,6 @@ class SeaweedS3(ServerProcess):
         self.filesystem().create_dir(name)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "SeaweedS3":
-        """Start (or restart on the same ports and data dir) and wait until writable."""
-        if self.running:
-            return self
-        self._launch(self._start_once, self._new_ports)
-        return self
-
     def _new_ports(self) -> None:
         self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES))))
 
