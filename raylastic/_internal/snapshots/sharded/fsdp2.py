@@ -4,6 +4,7 @@ describes a rank's DTensor shards as pieces (see ``sharded/__init__``).
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -12,11 +13,11 @@ from raylastic._internal.snapshots.sharded.layout import Chunk, Piece
 
 
 def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(t, DTensor)
+    """Without importing ``torch.distributed.tensor`` where nothing has: no DTensor can
+    exist before its module is imported, and the import (sympy, symbolic shapes) took
+    0.7-1 CPU-s of a worker's start whose model has none (2026-11-27)."""
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 def uses_dtensors(model: Optional[torch.nn.Module]) -> bool:
