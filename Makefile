@@ -24,9 +24,9 @@ UV_ENSURE := test -x $(UV) || $(PIP) install -q uv==$(UV_VERSION)
 TORCH := $(UV_PIP) torch==2.13.0+cpu || $(UV_PIP) torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu
 # DeepSpeed builds against the installed torch, so it is installed apart from the lock.
 DEEPSPEED := DS_BUILD_SHM_COMM=1 $(PIP) install -q --no-build-isolation --no-cache-dir deepspeed==0.19.8
-# The same build as a wheel (for $(DSWHEEL)): it needs torch (and setuptools) only.
-DEEPSPEED_WHEEL := DS_BUILD_SHM_COMM=1 $(PIP) wheel -q --no-deps --no-build-isolation --no-cache-dir \
-	-w .cache/deepspeed-wheel deepspeed==0.19.8
+# The same build as a wheel (for $(DSWHEEL)): it needs torch (and setuptools) only. Built
+# once per machine and torch, then taken from a wheel cache: see the script.
+DEEPSPEED_WHEEL := tools/deepspeed-wheel.sh 0.19.8 .cache/deepspeed-wheel
 
 .PHONY: demo test test-unit bench clean install lock check-configs lint
 
@@ -53,13 +53,13 @@ $(STAMP): $(PY) requirements.lock pyproject.toml | $(TORCHED)
 	$(UV_PIP) --no-deps -e .
 	touch $(STAMP)
 
-# DeepSpeed's wheel, its op compiled (1-2 min on one core), built beside $(STAMP)'s installs
+# DeepSpeed's wheel, its op compiled (1-2 min on one core; once per machine and torch: see
+# tools/deepspeed-wheel.sh), built beside $(STAMP)'s installs
 # under `make test`; installed once both are done. Both skipped where DeepSpeed 0.19.8 and
 # its built op are installed already (as in a .venv made before these stamps).
 DS_BUILT := .venv/lib/python3*/site-packages/deepspeed-0.19.8.dist-info \
 	.venv/lib/python3*/site-packages/deepspeed/ops/comm/deepspeed_shm_comm_op*.so
 $(DSWHEEL): $(TORCHED)
-	rm -rf .cache/deepspeed-wheel
 	ls -d $(DS_BUILT) >/dev/null 2>&1 || $(DEEPSPEED_WHEEL)
 	touch $(DSWHEEL)
 

@@ -71,20 +71,36 @@ class _SharedCluster:
 _SHARED = _SharedCluster()
 
 
+# The modules whose tests keep no workers (and start with none kept): see below.
+_KEEP_NONE = {"test_sharded.py"}
+
+
 def _keep_workers_between_runs(item) -> None:
-    """``RAYLASTIC_TEST_KEEP_WORKERS_S=30`` makes the integration tests keep a run's workers
-    30 s for the next ``fit()`` to take (``ScalingConfig.keep_workers_s``): a worker's start
-    is ~5 CPU-s of imports on these 2 cores, and the suite runs ~115 fits (25 min instead of
-    27-28 in two clean-clone runs). Off by default: in a third run the FSDP2 3-2-3 test's
-    restore from peer memory failed on a shard shape (docs/status.md), not yet explained.
+    """The integration tests keep a run's workers 30 s for the next ``fit()`` to take
+    (``ScalingConfig.keep_workers_s``; ``RAYLASTIC_TEST_KEEP_WORKERS_S`` sets the seconds, 0
+    turns it off). Why: a worker's start is ~5 CPU-s here (Ray's actor, torch, and torch's
+    dynamo through DDP's constructor), and the worker processes were 1,023 of the ~2,200
+    CPU-s of a clean-clone ``make test`` on these 2 cores (192 of them, 2026-11-27).
     Set here, before the test's fixtures (a module-scoped one may run fits), and for
-    integration tests only; a test that passes ``keep_workers_s`` itself is not changed."""
+    integration tests only; a test that passes ``keep_workers_s`` itself is not changed.
+
+    Not in ``test_sharded.py`` (``_KEEP_NONE``), which also ends the workers kept before
+    it: with workers kept, one clean-clone run failed its FSDP2 3-2-3 test's restore from
+    peer memory on a shard shape (2026-11-27). That run could not have taken kept workers
+    (it asks for 3, 2 were kept), 11 repeats with keeping on passed, and the cause is not
+    found (docs/status.md); the sharded tests run as in every passing clean clone."""
     from raylastic.config import KEEP_ENV
 
-    if "integration" in item.path.parts:
-        os.environ[KEEP_ENV] = os.environ.get("RAYLASTIC_TEST_KEEP_WORKERS_S", "0")
-    else:
+    if "integration" not in item.path.parts:
         os.environ.pop(KEEP_ENV, None)
+        return
+    if item.path.name in _KEEP_NONE:
+        os.environ[KEEP_ENV] = "0"
+        from raylastic._internal.worker_group.keeper import end_kept_workers
+
+        end_kept_workers()  # they hold CPUs these tests' runs need
+        return
+    os.environ[KEEP_ENV] = os.environ.get("RAYLASTIC_TEST_KEEP_WORKERS_S", "30")
 
 
 def pytest_configure(config):
