@@ -72,7 +72,7 @@ _SHARED = _SharedCluster()
 
 
 # The modules whose tests keep no workers (and start with none kept): see below.
-_KEEP_NONE = {"test_sharded.py"}
+_KEEP_NONE = {"test_sharded.py", "test_ray_data_input.py"}
 
 
 def _keep_workers_between_runs(item) -> None:
@@ -84,11 +84,15 @@ def _keep_workers_between_runs(item) -> None:
     Set here, before the test's fixtures (a module-scoped one may run fits), and for
     integration tests only; a test that passes ``keep_workers_s`` itself is not changed.
 
-    Not in ``test_sharded.py`` (``_KEEP_NONE``), which also ends the workers kept before
-    it: with workers kept, one clean-clone run failed its FSDP2 3-2-3 test's restore from
-    peer memory on a shard shape (2026-11-27). That run could not have taken kept workers
-    (it asks for 3, 2 were kept), 11 repeats with keeping on passed, and the cause is not
-    found (docs/status.md); the sharded tests run as in every passing clean clone."""
+    Not in the ``_KEEP_NONE`` modules, which also end the workers kept before them:
+    - ``test_sharded.py``: with workers kept, one clean-clone run failed its FSDP2 3-2-3
+      test's restore from peer memory on a shard shape (2026-11-27). That run could not
+      have taken kept workers (it asks for 3, 2 were kept), 11 repeats with keeping on
+      passed, and the cause is not found (docs/status.md); the sharded tests run as in
+      every passing clean clone.
+    - ``test_ray_data_input.py``: its datasets' tasks need the CPUs the workers kept from
+      the test before hold, and waited for them to expire (two of its tests 62 -> 89 s and
+      58 -> 94 s in a clean clone, 2026-11-27)."""
     from raylastic.config import KEEP_ENV
 
     if "integration" not in item.path.parts:
