@@ -76,20 +76,22 @@ _KEEP_NONE = {"test_sharded.py", "test_ray_data_input.py"}
 
 
 def _keep_workers_between_runs(item) -> None:
-    """The integration tests keep a run's workers 30 s for the next ``fit()`` to take
-    (``ScalingConfig.keep_workers_s``; ``RAYLASTIC_TEST_KEEP_WORKERS_S`` sets the seconds, 0
-    turns it off). Why: a worker's start is ~5 CPU-s here (Ray's actor, torch, and torch's
-    dynamo through DDP's constructor), and the worker processes were 1,023 of the ~2,200
-    CPU-s of a clean-clone ``make test`` on these 2 cores (192 of them, 2026-11-27).
-    Set here, before the test's fixtures (a module-scoped one may run fits), and for
-    integration tests only; a test that passes ``keep_workers_s`` itself is not changed.
+    """``RAYLASTIC_TEST_KEEP_WORKERS_S=30`` makes the integration tests keep a run's workers
+    30 s for the next ``fit()`` to take (``ScalingConfig.keep_workers_s``). Why one would: a
+    worker's start is ~5 CPU-s here (Ray's actor, torch, and torch's dynamo through DDP's
+    constructor), and the worker processes were 1,023 of the ~2,200 CPU-s of a clean-clone
+    ``make test`` on these 2 cores (192 of them, 2026-11-27). Set here, before the test's
+    fixtures (a module-scoped one may run fits), and for integration tests only; a test
+    that passes ``keep_workers_s`` itself is not changed.
 
-    Not in the ``_KEEP_NONE`` modules, which also end the workers kept before them:
-    - ``test_sharded.py``: with workers kept, one clean-clone run failed its FSDP2 3-2-3
-      test's restore from peer memory on a shard shape (2026-11-27). That run could not
-      have taken kept workers (it asks for 3, 2 were kept), 11 repeats with keeping on
-      passed, and the cause is not found (docs/status.md); the sharded tests run as in
-      every passing clean clone.
+    Off by default (0): in two of the five clean clones with it on, a test failed that
+    keeping workers may explain (docs/status.md): the FSDP2 3-2-3 test's restore from peer
+    memory on a shard shape (not explained; 11 repeats passed), and
+    ``test_storage_stopped_while_a_group_re_forms``, whose replacement worker must start
+    on the one node the run did not use within 90 s and did not (likely: a kept worker
+    held that node's CPU; not verified). The
+    ``_KEEP_NONE`` modules keep none even when it is on, and end the kept ones first:
+    - ``test_sharded.py``: the unexplained FSDP2 failure above;
     - ``test_ray_data_input.py``: its datasets' tasks need the CPUs the workers kept from
       the test before hold, and waited for them to expire (two of its tests 62 -> 89 s and
       58 -> 94 s in a clean clone, 2026-11-27)."""
@@ -104,7 +106,7 @@ def _keep_workers_between_runs(item) -> None:
 
         end_kept_workers()  # they hold CPUs these tests' runs need
         return
-    os.environ[KEEP_ENV] = os.environ.get("RAYLASTIC_TEST_KEEP_WORKERS_S", "30")
+    os.environ[KEEP_ENV] = os.environ.get("RAYLASTIC_TEST_KEEP_WORKERS_S", "0")
 
 
 def pytest_configure(config):
