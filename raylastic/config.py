@@ -76,7 +76,8 @@ class ScalingConfig:
         keep_workers_s: keep the workers a run ends with this many seconds, for the next
             ``fit()`` from the same driver to take instead of starting new processes
             (a notebook, a sweep: each worker's start is ~5 CPU-s of imports). Kept
-            workers hold their resources meanwhile, and a module they imported stays as it
+            workers hold their resources meanwhile (Ray Data tasks the driver starts
+            between runs wait for those CPUs), and a module they imported stays as it
             was (edit the train function's module between runs: pass 0). ``None``: the
             environment variable ``RAYLASTIC_KEEP_WORKERS_S``, else 0 (workers end with
             the run).
