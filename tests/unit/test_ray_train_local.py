@@ -6,7 +6,6 @@ that Ray was never started, since local mode must not start one.
 
 import contextlib
 import os
-import socket
 
 import pytest
 import ray
@@ -18,6 +17,7 @@ from ray.train.v2._internal.execution.train_fn_utils import get_train_fn_utils
 from raylastic import ConfigError, TorchTrainer
 from raylastic._internal.ray_train_local import is_local_mode
 from raylastic.ray_train_config import translate
+from raylastic.testing.ports import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -128,15 +128,12 @@ def test_backend_train_func_context_is_entered():
     assert entered == ["in", "body", "out"]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torchrun_environment_forms_a_process_group(monkeypatch):
+    # free_port picks outside the kernel's ephemeral range: a port 0 bind handed out one
+    # that another process's connection took before torch's store bound it (EADDRINUSE, a
+    # clean-clone make test, 2026-11-27)
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1"}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     seen = []
@@ -144,17 +141,7 @@ def test_torchrun_environment_forms_a_process_group(monkeypatch):
     def train_func():
         seen.append((dist.is_initialized(), dist.get_world_size(), ray.train.get_context().get_world_size()))
 
-    # The port is picked free, then closed, then bound by torch's store: another process
-    # took it in between once (EADDRINUSE, a clean-clone make test, 2026-11-27). A taken
-    # port is retried on a new one; nothing else is.
-    for attempt in range(3):
-        monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-        try:
-            result = _local(train_func).fit()
-            break
-        except dist.DistNetworkError as e:
-            if "EADDRINUSE" not in str(e) or attempt == 2:
-                raise
+    result = _local(train_func).fit()
     assert seen == [(True, 1, 1)] and result.world_sizes == [1]
     assert not dist.is_initialized(), "the group local mode formed is destroyed after fit"
 
