@@ -8,14 +8,20 @@ DSSTAMP := .venv/.deepspeed-installed
 AZURITE := .cache/azurite/node_modules/.bin/azurite
 # Installs go through uv (pinned; pip installs it into .venv), which fetches and unpacks in
 # parallel: from a fresh clone here the lock took 109-123 s with pip and 38 s with uv, torch
-# 42 s and 16 s (2026-11-27), and both are on `make test`'s critical path. Bytecode is
-# compiled at install (--compile-bytecode), as pip does: where PYTHONDONTWRITEBYTECODE is set,
-# every Ray worker would otherwise compile what it imports again. uv reads no pip
+# 42 s and 16 s (2026-11-27), and both are on `make test`'s critical path. uv reads no pip
 # configuration, so pip's find-links (PIP_FIND_LINKS, where a machine keeps local wheels) are
 # passed on. pip still builds DeepSpeed's wheel (--no-build-isolation) and runs `make lock`.
+# Bytecode: not compiled at install (uv's --compile-bytecode compiled all ~22,000 modules of
+# the lock, ~107 CPU-s and ~50 s of the installs' 54 s, measured; a process importing torch,
+# its dynamo, ray and raylastic imports ~2,900 of them);
+# instead every process make starts writes the bytecode of what it imports, once
+# (PYTHONDONTWRITEBYTECODE is unexported below: where it is set, as on the dev sandbox, every
+# Ray worker would compile torch again), and `make test` compiles the modules every Ray test
+# process imports before the Ray tests start (WARM_BYTECODE).
+unexport PYTHONDONTWRITEBYTECODE
 UV_VERSION := 0.13.9
 UV      := .venv/bin/uv
-UV_PIP  := $(UV) pip install -q --python $(PY) --compile-bytecode \
+UV_PIP  := $(UV) pip install -q --python $(PY) \
 	$$(for l in $${PIP_FIND_LINKS:-}; do printf -- '--find-links %s ' "$$l"; done)
 # The CPU build of torch, first: from a local wheel where the machine has one (find-links),
 # else from PyTorch's CPU index (PyPI's torch is the multi-GB CUDA build). Not an index line
@@ -99,8 +105,8 @@ install: $(DSSTAMP) $(AZURITE)
 demo: $(DSSTAMP)
 	$(PY) examples/demo.py
 
-# `make test` puts on the critical path only what the integration tests (the Ray work, one
-# Ray cluster at a time) need: torch, then the lock's install beside Azurite's npm install,
+# `make test` puts on the critical path only what the integration tests (the Ray work, in two
+# streams: IT_OWN_CLUSTER) need: torch, then the lock's install beside Azurite's npm install,
 # then check-configs. Everything else runs beside the integration tests at idle scheduling
 # priority (BG: `chrt -i 0`, SCHED_IDLE; nice 19 where chrt is missing), in the CPU they
 # leave idle (about 40%, measured): DeepSpeed's wheel build (from the moment torch is in) and
@@ -126,6 +132,15 @@ NICE_AS_RAY := nice -n 15
 # ranks): mostly waits on servers restarting and retries.
 IT_NO_RAY := $(addprefix tests/integration/,test_storage_backends.py test_torchrun_azure.py \
 	test_rendezvous_azure_backend.py test_stripes_gloo.py test_gloo_abort.py)
+# The Ray integration tests run as two pytest processes side by side, each with one Ray
+# cluster at a time: these files (each test starts a cluster of its own), and every other
+# file (the modules sharing conftest's local_cluster, and any new file). Why: one stream
+# left 20% of the machine idle (646-753 of its 3,132-3,576 core-seconds in two clean clones,
+# 2026-11-27: waits on failure detection, paced steps, servers and nodes starting), and the
+# two halves take about as long (~780 s and ~740 s of those runs' ~1,560 s).
+IT_OWN_CLUSTER := $(addprefix tests/integration/,test_chaos.py test_checkpoint_storage_e2e.py \
+	test_control_plane_bench.py test_drain_local_node.py test_interfaces.py test_join_loss.py \
+	test_ray_data_input.py test_sim_cloud.py test_spot_training.py)
 # $(call BG_JOB,name,command): run command in the background at BG priority; its output in
 # .cache/name.log, its exit status in .cache/name.rc once it ends.
 BG_JOB = (rm -f .cache/$(1).rc; $(BG) sh -c '$(2)' </dev/null >.cache/$(1).log 2>&1; echo $$? >.cache/$(1).rc) &
@@ -136,10 +151,14 @@ BG_SHOW = for j in $(1); do n=0; while [ ! -e .cache/$$j.rc ] && [ $$n -lt 2400 
 	echo "== $$j (beside the integration tests)"; cat .cache/$$j.log; \
 	test "$$(cat .cache/$$j.rc 2>/dev/null)" = 0 || { echo "$$j FAILED: see its output above"; rc=1; }; done
 UNIT_PYTEST := $(PY) -m pytest -q -ra --durations=8 -p no:cacheprovider
-# raylastic's bytecode, written once before the tests: every worker, controller and pytest
-# process imports it, and where PYTHONDONTWRITEBYTECODE is set (as on the dev sandbox) each
-# one compiled it again (0.27 CPU-s per process measured; ~115 trainer runs of 4 processes).
-PRECOMPILE := PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -q raylastic >/dev/null
+# The bytecode every Ray test process needs, written before the Ray tests start (none is
+# compiled at install: see the installs above): raylastic's and ray's packages (raylets'
+# agents, dashboards, workers) compiled beside one process importing torch and its dynamo
+# (DDP's constructor imports it). ~10 s here, where uv compiling the whole lock took ~50 s;
+# the rest is written by the first process that imports it. Concurrent writers are safe:
+# Python writes a .pyc to a temporary file and renames it.
+WARM_BYTECODE := { $(PY) -m compileall -q raylastic .venv/lib/python3*/site-packages/ray >/dev/null & \
+	$(PY) -c 'import torch, torch._dynamo'; wait; }
 # The unit tests start once DeepSpeed's install has ended (or failed): accelerate and
 # Lightning decide at import whether DeepSpeed is there, and a test process that imported
 # accelerate before the install ended and transformers' Trainer after it failed at
@@ -151,7 +170,7 @@ test:
 	@$(MAKE) --no-print-directory $(TORCHED)
 	@$(call BG_JOB,deepspeed-wheel,$(MAKE) --no-print-directory $(DSWHEEL))
 	@$(MAKE) --no-print-directory -j3 $(STAMP) $(AZURITE) check-configs
-	@$(PRECOMPILE)
+	@$(WARM_BYTECODE)
 	@$(call BG_JOB,unit-slow,$(AFTER_DS) $(UNIT_PYTEST) $(UNIT_SLOW))
 	@$(call BG_JOB,unit-rest,$(AFTER_DS) $(UNIT_PYTEST) $(UNIT_REST))
 	@$(call BG_JOB,deepspeed,$(call WAIT_RC,deepspeed-wheel) \
@@ -161,8 +180,11 @@ test:
 	@$(call BG_JOB,lint,$(MAKE) --no-print-directory lint)
 	@{ $(call WAIT_RC,unit-slow) $(call WAIT_RC,unit-rest) \
 	  $(NICE_AS_RAY) $(PY) -m pytest -q -ra -p no:cacheprovider $(IT_NO_RAY); } >.cache/it-no-ray.log 2>&1 & noray=$$!; \
-	RAYLASTIC_TEST_DEEPSPEED_RC=.cache/deepspeed-installed.rc \
-	$(PY) -m pytest -q -ra --durations=15 --ignore=tests/unit $(addprefix --ignore=,$(IT_NO_RAY)) tests; rc=$$?; \
+	export RAYLASTIC_TEST_DEEPSPEED_RC=.cache/deepspeed-installed.rc; \
+	$(PY) -m pytest -q -ra --durations=10 -p no:cacheprovider $(IT_OWN_CLUSTER) >.cache/it-own.log 2>&1 & own=$$!; \
+	$(PY) -m pytest -q -ra --durations=15 --ignore=tests/unit $(addprefix --ignore=,$(IT_NO_RAY) $(IT_OWN_CLUSTER)) tests; rc=$$?; \
+	wait $$own || rc=1; echo "== integration tests with Ray clusters of their own (beside the others): $(IT_OWN_CLUSTER)"; \
+	cat .cache/it-own.log; \
 	wait $$noray; noray=$$?; echo "== integration tests without Ray (beside the others): $(IT_NO_RAY)"; \
 	cat .cache/it-no-ray.log; test $$noray -eq 0 || rc=1; \
 	$(call BG_SHOW,lint unit-slow unit-rest deepspeed); exit $$rc
