@@ -105,8 +105,8 @@ install: $(DSSTAMP) $(AZURITE)
 demo: $(DSSTAMP)
 	$(PY) examples/demo.py
 
-# `make test` puts on the critical path only what the integration tests (the Ray work, in two
-# streams: IT_OWN_CLUSTER) need: torch, then the lock's install beside Azurite's npm install,
+# `make test` puts on the critical path only what the integration tests (the Ray work, one
+# Ray cluster at a time) need: torch, then the lock's install beside Azurite's npm install,
 # then check-configs. Everything else runs beside the integration tests at idle scheduling
 # priority (BG: `chrt -i 0`, SCHED_IDLE; nice 19 where chrt is missing), in the CPU they
 # leave idle (about 40%, measured): DeepSpeed's wheel build (from the moment torch is in) and
@@ -132,15 +132,6 @@ NICE_AS_RAY := nice -n 15
 # ranks): mostly waits on servers restarting and retries.
 IT_NO_RAY := $(addprefix tests/integration/,test_storage_backends.py test_torchrun_azure.py \
 	test_rendezvous_azure_backend.py test_stripes_gloo.py test_gloo_abort.py)
-# The Ray integration tests run as two pytest processes side by side, each with one Ray
-# cluster at a time: these files (each test starts a cluster of its own), and every other
-# file (the modules sharing conftest's local_cluster, and any new file). Why: one stream
-# left 20% of the machine idle (646-753 of its 3,132-3,576 core-seconds in two clean clones,
-# 2026-11-27: waits on failure detection, paced steps, servers and nodes starting), and the
-# two halves take about as long (~780 s and ~740 s of those runs' ~1,560 s).
-IT_OWN_CLUSTER := $(addprefix tests/integration/,test_chaos.py test_checkpoint_storage_e2e.py \
-	test_control_plane_bench.py test_drain_local_node.py test_interfaces.py test_join_loss.py \
-	test_ray_data_input.py test_sim_cloud.py test_spot_training.py)
 # $(call BG_JOB,name,command): run command in the background at BG priority; its output in
 # .cache/name.log, its exit status in .cache/name.rc once it ends.
 BG_JOB = (rm -f .cache/$(1).rc; $(BG) sh -c '$(2)' </dev/null >.cache/$(1).log 2>&1; echo $$? >.cache/$(1).rc) &
@@ -180,11 +171,8 @@ test:
 	@$(call BG_JOB,lint,$(MAKE) --no-print-directory lint)
 	@{ $(call WAIT_RC,unit-slow) $(call WAIT_RC,unit-rest) \
 	  $(NICE_AS_RAY) $(PY) -m pytest -q -ra -p no:cacheprovider $(IT_NO_RAY); } >.cache/it-no-ray.log 2>&1 & noray=$$!; \
-	export RAYLASTIC_TEST_DEEPSPEED_RC=.cache/deepspeed-installed.rc; \
-	$(PY) -m pytest -q -ra --durations=10 -p no:cacheprovider $(IT_OWN_CLUSTER) >.cache/it-own.log 2>&1 & own=$$!; \
-	$(PY) -m pytest -q -ra --durations=15 --ignore=tests/unit $(addprefix --ignore=,$(IT_NO_RAY) $(IT_OWN_CLUSTER)) tests; rc=$$?; \
-	wait $$own || rc=1; echo "== integration tests with Ray clusters of their own (beside the others): $(IT_OWN_CLUSTER)"; \
-	cat .cache/it-own.log; \
+	RAYLASTIC_TEST_DEEPSPEED_RC=.cache/deepspeed-installed.rc \
+	$(PY) -m pytest -q -ra --durations=15 --ignore=tests/unit $(addprefix --ignore=,$(IT_NO_RAY)) tests; rc=$$?; \
 	wait $$noray; noray=$$?; echo "== integration tests without Ray (beside the others): $(IT_NO_RAY)"; \
 	cat .cache/it-no-ray.log; test $$noray -eq 0 || rc=1; \
 	$(call BG_SHOW,lint unit-slow unit-rest deepspeed); exit $$rc

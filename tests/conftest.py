@@ -73,24 +73,30 @@ _SHARED = _SharedCluster()
 
 # The modules whose tests keep no workers (and start with none kept): see below.
 _KEEP_NONE = {"test_sharded.py", "test_ray_data_input.py"}
+# How long the local_cluster modules' runs keep their workers for the next fit() by default.
+_KEEP_LOCAL_CLUSTER_S = "30"
 
 
 def _keep_workers_between_runs(item) -> None:
-    """``RAYLASTIC_TEST_KEEP_WORKERS_S=30`` makes the integration tests keep a run's workers
-    30 s for the next ``fit()`` to take (``ScalingConfig.keep_workers_s``). Why one would: a
-    worker's start is ~5 CPU-s here (Ray's actor, torch, and torch's dynamo through DDP's
-    constructor), and the worker processes were 1,023 of the ~2,200 CPU-s of a clean-clone
-    ``make test`` on these 2 cores (192 of them, 2026-11-27). Set here, before the test's
-    fixtures (a module-scoped one may run fits), and for integration tests only; a test
-    that passes ``keep_workers_s`` itself is not changed.
+    """The tests of the modules sharing ``local_cluster`` keep a run's workers 30 s for the
+    next ``fit()`` to take (``ScalingConfig.keep_workers_s``); the other integration tests
+    keep none. ``RAYLASTIC_TEST_KEEP_WORKERS_S`` sets it for every integration test (0:
+    none). Why keep: a worker's start is ~5 CPU-s here (Ray's actor, torch, and torch's
+    dynamo through DDP's constructor), and the worker processes were 1,023 of the ~2,200
+    CPU-s of a clean-clone ``make test`` on these 2 cores (192 of them, 2026-11-27); with
+    every integration test keeping them, 129-139 were started, and many local_cluster tests
+    ran in a third to a half of their time. Set here, before the test's fixtures (a
+    module-scoped one may run fits), and for integration tests only; a test that passes
+    ``keep_workers_s`` itself is not changed.
 
-    Off by default (0): in two of the five clean clones with it on, a test failed that
-    keeping workers may explain (docs/status.md): the FSDP2 3-2-3 test's restore from peer
-    memory on a shard shape (not explained; 11 repeats passed), and
-    ``test_storage_stopped_while_a_group_re_forms``, whose replacement worker must start
-    on the one node the run did not use within 90 s and did not (likely: a kept worker
-    held that node's CPU; not verified). The
-    ``_KEEP_NONE`` modules keep none even when it is on, and end the kept ones first:
+    Why only the local_cluster modules: in two of the five clean clones with every
+    integration test keeping workers, a test failed that keeping them may explain
+    (docs/status.md), and neither was in a local_cluster module still keeping them:
+    ``test_storage_stopped_while_a_group_re_forms``, whose replacement worker must start on
+    the one node the run did not use within 90 s and did not (likely: a kept worker held
+    that node's CPU; not verified), and the FSDP2 3-2-3 test's restore from peer memory on
+    a shard shape (not explained; 11 repeats passed). The ``_KEEP_NONE`` modules keep
+    none and end the kept ones first:
     - ``test_sharded.py``: the unexplained FSDP2 failure above;
     - ``test_ray_data_input.py``: its datasets' tasks need the CPUs the workers kept from
       the test before hold, and waited for them to expire (two of its tests 62 -> 89 s and
@@ -106,7 +112,8 @@ def _keep_workers_between_runs(item) -> None:
 
         end_kept_workers()  # they hold CPUs these tests' runs need
         return
-    os.environ[KEEP_ENV] = os.environ.get("RAYLASTIC_TEST_KEEP_WORKERS_S", "0")
+    default = _KEEP_LOCAL_CLUSTER_S if "local_cluster" in item.fixturenames else "0"
+    os.environ[KEEP_ENV] = os.environ.get("RAYLASTIC_TEST_KEEP_WORKERS_S", default)
 
 
 def pytest_configure(config):
