@@ -115,7 +115,7 @@ def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
     full = {k: v.full_tensor().detach().cpu().clone() for k, v in model.state_dict().items()}
     if ctx.get_world_rank() == 0 and config.get("weights_out"):
         torch.save(full, config["weights_out"])
-    return {"snapshot_bytes": state.snapshot_bytes(), "shard_bytes": state.shard_bytes()}
+    return _memory(state)
 
 
 def deepspeed_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -166,7 +166,17 @@ def deepspeed_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
     full = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
     if ctx.get_world_rank() == 0 and config.get("weights_out"):
         torch.save({f"{n}": t for n, t in full.items()}, config["weights_out"])
-    return {"snapshot_bytes": state.snapshot_bytes(), "shard_bytes": state.shard_bytes()}
+    return _memory(state)
 
 
 __all__ = ["fsdp2_mlp", "deepspeed_mlp", "mlp"]
+
+
+def _memory(state: Any) -> Dict[str, Any]:
+    """This rank's snapshot host bytes, its own shard now, and the shards each snapshot it
+    keeps holds (bytes by rank at that snapshot's world size; see ``held_shard_bytes``)."""
+    from raylastic._internal.snapshots.sharded.state import held_shard_bytes
+    from raylastic._internal.snapshots.store import STORE
+
+    return {"snapshot_bytes": state.snapshot_bytes(), "shard_bytes": state.shard_bytes(),
+            "held_shards": [held_shard_bytes(s) for s in STORE.held()]}

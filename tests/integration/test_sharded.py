@@ -104,9 +104,19 @@ def _elastic_run(local_cluster, run_dir, tmp_path, train_func, name, **cfg_extra
         print("EVENTS", [(e["kind"], e.get("index"), e.get("epoch")) for e in events if e["kind"] != "metrics"])
     print(f"{name}: max relative weight difference elastic vs fixed: {diff:.2e}")
     assert diff <= 1e-5
-    mem = result.return_value  # rank 0's: its snapshots' host bytes against its own shard
-    assert 0 < mem["snapshot_bytes"] <= 4 * mem["shard_bytes"], mem
+    mem = result.return_value  # rank 0's: its snapshots' host bytes against the shards they hold
+    assert 0 < mem["snapshot_bytes"] <= 4 * mem["shard_bytes"] or _kept_across_the_resize(mem), mem
     return result, events
+
+
+def _kept_across_the_resize(mem) -> bool:
+    """The memory bound when the older kept snapshot was taken before the last resize: each
+    of the (at most two) snapshots holds at most two shards (its taker's and the one it
+    backs up), each of its own world size's size (after growing from 2 workers to 3 the
+    older snapshot's are 1.5x today's: 5x today's shard in all, seen in a clean clone)."""
+    held = mem["held_shards"]
+    return len(held) <= 2 and all(len(h) <= 2 for h in held) and \
+        mem["snapshot_bytes"] <= sum(2 * max(h.values()) for h in held if h)
 
 
 def test_fsdp2_resizes_3_2_3_from_peer_memory_like_a_fixed_size_run(local_cluster, restore_nodes, run_dir,

@@ -183,3 +183,22 @@ def test_a_failed_background_copy_is_raised_at_the_next_optimizer_step():
     with pytest.raises(RuntimeError, match="snapshot copy failed"):
         bad.wait()
     assert len(errors) == 1 and errors[0] is not None
+
+
+def test_held_shards_are_counted_per_snapshot_at_its_own_world_size():
+    """A snapshot taken at 2 workers holds shards 1.5x those of one taken at 3: the memory
+    accounting (``held``, ``held_shard_bytes``) reports each snapshot's own shard sizes."""
+    from raylastic._internal.snapshots.capture import nbytes
+    from raylastic._internal.snapshots.sharded.layout import ROOT
+    from raylastic._internal.snapshots.sharded.state import held_shard_bytes
+
+    st = SnapshotStore(keep=2)
+    for index, per_rank in ((4, 6), (5, 4)):  # floats per shard at world sizes 2 and 3
+        s = _snap(index)
+        s.tensors = {ROOT: {0: [torch.zeros(per_rank)], 1: [torch.zeros(per_rank)],
+                            2: [torch.empty(per_rank, device="meta")]}}  # not held: a placeholder
+        s.nbytes = nbytes(s.tensors)
+        st.add("r", s)
+    held = [held_shard_bytes(s) for s in st.held()]
+    assert held == [{0: 24, 1: 24}, {0: 16, 1: 16}]
+    assert st.nbytes() == 80 == sum(2 * max(h.values()) for h in held)  # 5x today's 16-byte shard

@@ -142,6 +142,11 @@ class SnapshotStore:
         with self._lock:
             return sum(s.nbytes for s in self._snaps)
 
+    def held(self) -> List[Snapshot]:
+        """The snapshots held now, oldest first (for memory accounting)."""
+        with self._lock:
+            return list(self._snaps)
+
 
 STORE = SnapshotStore()
 

@@ -251,4 +251,12 @@ def own_shard_bytes(snap: Any, rank: int) -> int:
     return sum(t.numel() * t.element_size() for t in tree.get(rank, []) if not t.is_meta)
 
 
-__all__ = ["ShardedState", "own_shard_bytes"]
+def held_shard_bytes(snap: Any) -> Dict[int, int]:
+    """Bytes of each rank's shard a sharded snapshot holds (its taker's own and the ones it
+    backs up), by the rank at the snapshot's world size: a snapshot taken before a resize
+    holds shards of that world size's size (after growing from 2 to 3 workers, 1.5x the
+    new shard), so its memory is bounded by them, not by today's shard."""
+    return {r: b for r in snap.tensors.get(ROOT, {}) if (b := own_shard_bytes(snap, r))}
+
+
+__all__ = ["ShardedState", "own_shard_bytes", "held_shard_bytes"]
