@@ -17,7 +17,7 @@ AZURITE := .cache/azurite/node_modules/.bin/azurite
 # instead every process make starts writes the bytecode of what it imports, once
 # (PYTHONDONTWRITEBYTECODE is unexported below: where it is set, as on the dev sandbox, every
 # Ray worker would compile torch again), and `make test` compiles the modules every Ray test
-# process imports before the Ray tests start (WARM_BYTECODE).
+# process imports before the Ray tests start (warm-bytecode).
 unexport PYTHONDONTWRITEBYTECODE
 UV_VERSION := 0.13.9
 UV      := .venv/bin/uv
@@ -34,7 +34,7 @@ DS_VERSION := 0.19.8
 DEEPSPEED_WHEEL := tools/deepspeed-wheel.sh $(DS_VERSION) .cache/deepspeed-wheel
 DEEPSPEED_INSTALL := $(PIP) install -q .cache/deepspeed-wheel/deepspeed-$(DS_VERSION)-*.whl
 
-.PHONY: demo test test-unit bench clean install lock check-configs lint
+.PHONY: demo test test-unit bench clean install lock check-configs lint warm-bytecode
 
 $(PY):
 	python3 -m venv .venv
@@ -145,11 +145,14 @@ UNIT_PYTEST := $(PY) -m pytest -q -ra --durations=8 -p no:cacheprovider
 # The bytecode every Ray test process needs, written before the Ray tests start (none is
 # compiled at install: see the installs above): raylastic's and ray's packages (raylets'
 # agents, dashboards, workers) compiled beside one process importing torch and its dynamo
-# (DDP's constructor imports it). ~10 s here, where uv compiling the whole lock took ~50 s;
-# the rest is written by the first process that imports it. Concurrent writers are safe:
-# Python writes a .pyc to a temporary file and renames it.
-WARM_BYTECODE := { $(PY) -m compileall -q raylastic .venv/lib/python3*/site-packages/ray >/dev/null & \
-	$(PY) -c 'import torch, torch._dynamo'; wait; }
+# (DDP's constructor imports it). ~10 s here, beside Azurite's npm install (~30 s), where uv
+# compiling the whole lock took ~50 s; the rest is written by the first process that
+# imports it. Concurrent writers are safe: Python writes a .pyc to a temporary file and
+# renames it.
+warm-bytecode: $(STAMP)
+	@{ $(PY) -m compileall -q raylastic .venv/lib/python3*/site-packages/ray >/dev/null & \
+	  $(PY) -c 'import torch, torch._dynamo'; wait; }
+
 # The unit tests start once DeepSpeed's install has ended (or failed): accelerate and
 # Lightning decide at import whether DeepSpeed is there, and a test process that imported
 # accelerate before the install ended and transformers' Trainer after it failed at
@@ -160,8 +163,7 @@ test:
 	@mkdir -p .cache; rm -f .cache/*.rc
 	@$(MAKE) --no-print-directory $(TORCHED)
 	@$(call BG_JOB,deepspeed-wheel,$(MAKE) --no-print-directory $(DSWHEEL))
-	@$(MAKE) --no-print-directory -j3 $(STAMP) $(AZURITE) check-configs
-	@$(WARM_BYTECODE)
+	@$(MAKE) --no-print-directory -j3 $(STAMP) $(AZURITE) check-configs warm-bytecode
 	@$(call BG_JOB,unit-slow,$(AFTER_DS) $(UNIT_PYTEST) $(UNIT_SLOW))
 	@$(call BG_JOB,unit-rest,$(AFTER_DS) $(UNIT_PYTEST) $(UNIT_REST))
 	@$(call BG_JOB,deepspeed,$(call WAIT_RC,deepspeed-wheel) \
