@@ -64,8 +64,8 @@ $(STAMP): $(UV) requirements.lock pyproject.toml | $(TORCHED)
 # tools/deepspeed-wheel.sh), built beside $(STAMP)'s installs
 # under `make test`; installed once both are done. Both skipped where DeepSpeed 0.19.8 and
 # its built op are installed already (as in a .venv made before these stamps).
-DS_BUILT := .venv/lib/python3*/site-packages/deepspeed-$(DS_VERSION).dist-info \
-	.venv/lib/python3*/site-packages/deepspeed/ops/comm/deepspeed_shm_comm_op*.so
+SITE := .venv/lib/python3*/site-packages
+DS_BUILT := $(SITE)/deepspeed-$(DS_VERSION).dist-info $(SITE)/deepspeed/ops/comm/deepspeed_shm_comm_op*.so
 $(DSWHEEL): $(TORCHED)
 	ls -d $(DS_BUILT) >/dev/null 2>&1 || $(DEEPSPEED_WHEEL)
 	touch $(DSWHEEL)
@@ -107,7 +107,7 @@ demo: $(DSSTAMP)
 
 # `make test` puts on the critical path only what the integration tests (the Ray work, one
 # Ray cluster at a time) need: torch, then the lock's install beside Azurite's npm install,
-# then check-configs. Everything else runs beside the integration tests at idle scheduling
+# then check-configs and warm-bytecode (still beside npm). Everything else runs beside the integration tests at idle scheduling
 # priority (BG: `chrt -i 0`, SCHED_IDLE; nice 19 where chrt is missing), in the CPU they
 # leave idle (about 40%, measured): DeepSpeed's wheel build (from the moment torch is in) and
 # install, the unit tests (once DeepSpeed is in: two pytest processes, and the DeepSpeed
@@ -145,12 +145,11 @@ UNIT_PYTEST := $(PY) -m pytest -q -ra --durations=8 -p no:cacheprovider
 # The bytecode every Ray test process needs, written before the Ray tests start (none is
 # compiled at install: see the installs above): raylastic's and ray's packages (raylets'
 # agents, dashboards, workers) compiled beside one process importing torch and its dynamo
-# (DDP's constructor imports it). ~10 s here, beside Azurite's npm install (~30 s), where uv
-# compiling the whole lock took ~50 s; the rest is written by the first process that
-# imports it. Concurrent writers are safe: Python writes a .pyc to a temporary file and
-# renames it.
+# (DDP's constructor imports it); ~10 s, beside Azurite's npm install. The rest is written
+# by the first process that imports it (a .pyc is written to a temporary file and renamed:
+# concurrent writers are safe).
 warm-bytecode: $(STAMP)
-	@{ $(PY) -m compileall -q raylastic .venv/lib/python3*/site-packages/ray >/dev/null & \
+	@{ $(PY) -m compileall -q raylastic $(SITE)/ray >/dev/null & \
 	  $(PY) -c 'import torch, torch._dynamo'; wait; }
 
 # The unit tests start once DeepSpeed's install has ended (or failed): accelerate and

@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
     # next one start a fresh cluster (~7 s each). Last, not first: their node-loss tests
     # race a node added back against the run's end, and the suite's first minutes are its
     # busiest (the tests without Ray start their storage servers then).
-    shared = {item.path for item in items if "local_cluster" in getattr(item, "fixturenames", ())}
+    shared = {item.path for item in items if _uses_local_cluster(item)}
     items.sort(key=lambda item: item.path in shared)
     try:
         import torch
@@ -36,6 +36,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _uses_local_cluster(item) -> bool:
+    return "local_cluster" in getattr(item, "fixturenames", ())
 
 
 class _SharedCluster:
@@ -112,7 +116,7 @@ def _keep_workers_between_runs(item) -> None:
 
         end_kept_workers()  # they hold CPUs these tests' runs need
         return
-    default = _KEEP_LOCAL_CLUSTER_S if "local_cluster" in item.fixturenames else "0"
+    default = _KEEP_LOCAL_CLUSTER_S if _uses_local_cluster(item) else "0"
     os.environ[KEEP_ENV] = os.environ.get("RAYLASTIC_TEST_KEEP_WORKERS_S", default)
 
 
@@ -126,7 +130,7 @@ def pytest_runtest_setup(item):
     _keep_workers_between_runs(item)
     # A test outside the modules using local_cluster may start Ray itself: the shared
     # cluster goes first (a module holding it keeps it for all of its tests).
-    if not _SHARED.in_use and "local_cluster" not in item.fixturenames \
+    if not _SHARED.in_use and not _uses_local_cluster(item) \
             and item.get_closest_marker("no_ray") is None:
         _SHARED.close()
 
@@ -156,7 +160,7 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
-    if report.failed and "local_cluster" in getattr(item, "fixturenames", ()):
+    if report.failed and _uses_local_cluster(item):
         _SHARED.failed = True
     return report
 

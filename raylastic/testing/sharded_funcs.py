@@ -169,9 +169,6 @@ def deepspeed_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
     return _memory(state)
 
 
-__all__ = ["fsdp2_mlp", "deepspeed_mlp", "mlp"]
-
-
 def _memory(state: Any) -> Dict[str, Any]:
     """This rank's snapshot host bytes, its own shard now, and the shards each snapshot it
     keeps holds (bytes by rank at that snapshot's world size; see ``held_shard_bytes``)."""
@@ -180,3 +177,7 @@ def _memory(state: Any) -> Dict[str, Any]:
 
     return {"snapshot_bytes": state.snapshot_bytes(), "shard_bytes": state.shard_bytes(),
             "held_shards": [held_shard_bytes(s) for s in STORE.held()]}
+
+
+__all__ = ["fsdp2_mlp", "deepspeed_mlp", "mlp"]
+
