@@ -3,7 +3,10 @@
 Rules, in order:
 - No group yet: form one as soon as ``min_workers`` are ready, with every ready worker
   up to ``max_workers``, after a short settle window so that workers coming up together
-  join the first group instead of forcing an immediate resize.
+  join the first group instead of forcing an immediate resize. Workers already placed on
+  a node and starting (their process importing torch; seconds apart on a loaded or fresh
+  node) are waited for too, as long as some worker became ready within
+  ``starting_wait_s``: a first group formed without them would resize moments later.
 - Running: grow when spare ready workers exist and the group is below ``max_workers``,
   once no new worker has become ready for ``settle_s`` (several nodes joining in a burst
   cause one resize, not several).
@@ -29,6 +32,7 @@ class ScalingSnapshot:
     last_ready_at: Optional[float]  # when a worker last became ready
     waiting_since: Optional[float]  # since when fewer than min_workers were ready
     last_wait_log_at: Optional[float] = None
+    starting: int = 0  # workers placed on a node (holding its resources), not ready yet
 
 
 ScalingDecision = Union[Noop, Resize, Wait, Raise]
@@ -41,6 +45,7 @@ class ElasticScalingPolicy:
     max_wait_s: Optional[float] = None
     settle_s: float = 1.0
     log_every_s: float = 30.0
+    starting_wait_s: float = 30.0
 
     def decide(self, s: ScalingSnapshot) -> ScalingDecision:
         available = s.group_size + s.ready_spares
@@ -75,6 +80,9 @@ class ElasticScalingPolicy:
         recently = s.last_ready_at is not None and s.now - s.last_ready_at < self.settle_s
         if target < self.max_workers and recently:
             return Noop("min_workers ready; letting workers that are starting join")
+        if target < self.max_workers and s.starting > 0 and (
+                s.last_ready_at is None or s.now - s.last_ready_at < self.starting_wait_s):
+            return Noop(f"min_workers ready; {s.starting} worker(s) placed and starting: letting them join")
         return Resize(
             target,
             f"form group of {target}: {available} worker(s) ready; "

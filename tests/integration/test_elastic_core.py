@@ -16,6 +16,7 @@ from raylastic import (
     RunConfig, RunInUseError, ScalingConfig, TrainingFailedError,
 )
 from raylastic._internal.worker_group.keeper import end_kept_workers
+from raylastic._internal.worker_group.pool import count_placed
 from raylastic.events import EventKind, load_events
 from raylastic.testing.cluster import wait_until
 from raylastic.testing.faults import FitThread, RunWatcher, hung_replacements, kill_node_at, kill_worker_process
@@ -132,6 +133,37 @@ def test_starts_with_min_workers_when_max_is_not_available(local_cluster, run_di
     result = _trainer(run_dir, "partial", {"total_steps": 5}, min_w=2, max_w=5).fit()
     assert result.world_sizes == [3]
     assert result.metrics["world_size"] == 3
+
+
+def test_placed_workers_still_starting_are_told_from_ones_waiting_for_a_node(local_cluster, tmp_path):
+    """What the first group waits for besides ready workers (``pool.count_placed``): of 4
+    one-CPU actors on 3 one-CPU nodes, the 3 placed ones still in their constructor count,
+    the one no node can take does not, and none counts once the others are alive."""
+    end_kept_workers()  # they hold the nodes' CPUs
+    gate = tmp_path / "go"
+
+    @ray.remote(num_cpus=1)
+    class Starting:
+        def __init__(self, gate):  # a worker importing torch, held until the test says go
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        def ready(self):
+            return True
+
+    actors = [Starting.remote(str(gate)) for _ in range(4)]
+    ids = {a._actor_id.hex() for a in actors}
+    try:
+        wait_until(lambda: count_placed(ids) == 3, 60, what="3 actors placed and starting")
+        assert count_placed(ids) == 3  # the fourth has no node to start on
+        gate.touch()
+        ready, _ = ray.wait([a.ready.remote() for a in actors], num_returns=3, timeout=60)
+        assert len(ready) == 3
+        assert count_placed(ids) == 0  # 3 alive, 1 with no node
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
 
 
 def test_real_failures_use_the_failure_budget(local_cluster, run_dir):

@@ -60,6 +60,7 @@ class FakeGroup:
         self.dead_peer_graces: List[float] = []  # how long the controller would look for a dead peer
         self.draining: Dict[str, int] = {}
         self.last_ready_at: Optional[float] = None
+        self.starting_count = 0  # workers placed and starting (not ready): what starting() says
         self.targets: Dict[Optional[str], int] = {}
         self._interrupt = threading.Event()
         self.block_stop = False  # stop() waits for the controller's interrupt
@@ -104,6 +105,9 @@ class FakeGroup:
 
     def fill(self) -> None:
         pass  # replacements arrive only when a test adds them
+
+    def starting(self) -> int:
+        return self.starting_count
 
     def ready_spares(self, members: Sequence[WorkerHandle]) -> List[WorkerHandle]:
         ids = {m.wid for m in members}

@@ -69,6 +69,21 @@ def _start(ctrl, group, nodes):
     return handles
 
 
+def test_the_first_group_waits_for_a_placed_worker_that_is_still_starting(tmp_path):
+    """min_workers (2) ready and a third placed on its node but importing torch: the run
+    forms with all three once it is ready, not with two and a resize right after."""
+    ctrl, group = _controller(tmp_path)
+    group.add_worker("na"), group.add_worker("nb")
+    group.starting_count = 1
+    for _ in range(20):
+        ctrl.tick()
+        assert isinstance(ctrl._state, Scheduling)
+    group.starting_count = 0
+    group.add_worker("nc")
+    assert _tick_until(ctrl, _running(3)) == ["Running"]
+    assert _events(tmp_path, ctrl, EventKind.RESIZE) == []
+
+
 def test_node_loss_resizes_and_the_survivors_run_on(tmp_path):
     ctrl, group = _controller(tmp_path)
     a, b, c = _start(ctrl, group, ["na", "nb", "nc"])

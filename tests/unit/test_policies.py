@@ -43,6 +43,23 @@ def test_formation_settles_for_workers_coming_up_together():
     assert isinstance(P.decide(snap(ready_spares=4, last_ready_at=99.9)), Resize)
 
 
+def test_formation_waits_for_placed_workers_that_are_starting_but_not_forever():
+    # 2 ready 5 s ago, 2 more placed and importing torch: wait for them rather than form
+    # at 2 and resize moments later.
+    d = P.decide(snap(ready_spares=2, last_ready_at=95.0, starting=2))
+    assert isinstance(d, Noop) and "2 worker(s) placed and starting" in d.reason
+    # Once one of them is ready, still wait for the other.
+    assert isinstance(P.decide(snap(ready_spares=3, last_ready_at=98.0, starting=1)), Noop)
+    # No worker ready for starting_wait_s (30 s): a stuck start does not hold the run back.
+    assert P.decide(snap(ready_spares=3, last_ready_at=69.0, starting=1)) == Resize(3, P.decide(
+        snap(ready_spares=3, last_ready_at=69.0, starting=1)).reason)
+    # Pending actors that hold no node (no capacity) are not "starting": form at once.
+    assert isinstance(P.decide(snap(ready_spares=2, last_ready_at=95.0, starting=0)), Resize)
+    # Neither is there anything to wait for at max, nor below min (that is a Wait).
+    assert isinstance(P.decide(snap(ready_spares=4, last_ready_at=99.9, starting=1)), Resize)
+    assert isinstance(P.decide(snap(ready_spares=1, last_ready_at=99.9, starting=3)), Wait)
+
+
 def test_formation_caps_at_max():
     assert P.decide(snap(ready_spares=6, last_ready_at=10.0)).world_size == 4
 

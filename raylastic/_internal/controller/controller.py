@@ -12,8 +12,7 @@ One loop, ``run -> _tick -> _step_<state> -> next state``; each collaborator own
 - ``ReportIngest`` (``ingest.py``): the one path for workers' reports and metrics;
 - policies (scaling, failure, capacity through ``CapacityDriver``, stop index): decide.
 
-The capacity and failure steps live in ``capacity_steps.py`` and ``failure_steps.py``
-(mixins of this class, sharing its collaborators).
+The capacity and failure steps are mixins of this class: ``capacity_steps.py``, ``failure_steps.py``.
 
 The controller makes no actor call and imports no torch, so ``tests/unit/test_controller.py``
 steps it against a fake group.
@@ -227,10 +226,11 @@ class Controller(CapacitySteps, FailureSteps):
             for h in leaving:
                 self._group.remove(h)
         spares = [h for h in spares if h.node_id not in self._group.draining]
-        snap = ScalingSnapshot(now=now, group_size=0, ready_spares=len(spares),
-                               last_ready_at=self._group.last_ready_at, waiting_since=st.since,
-                               last_wait_log_at=st.last_log_at)
-        d = self._scaling_policy.decide(snap)
+        p = self._scaling_policy  # placed workers still starting: asked only when it could matter
+        starting = self._group.starting() if p.min_workers <= len(spares) < p.max_workers else 0
+        d = p.decide(ScalingSnapshot(now=now, group_size=0, ready_spares=len(spares), starting=starting,
+                                     last_ready_at=self._group.last_ready_at, waiting_since=st.since,
+                                     last_wait_log_at=st.last_log_at))
         if isinstance(d, Raise):
             self._events.emit(EventKind.DECISION, d.reason, decision="raise")
             return Errored(InsufficientCapacityError(

@@ -42,25 +42,22 @@ logger = logging.getLogger("raylastic")
 # How long a worker may not answer polls before it is declared lost. Ray's own health
 # checks usually declare the actor dead sooner (see README: failure detection).
 UNAVAILABLE_GRACE_S = 15.0
-# How long survivors get to unwind their train function before being replaced, and the
-# bound on one call that moves snapshot shards.
+# How long survivors get to unwind their train function before being replaced, and the bound on one
+# call that moves snapshot shards.
 JOIN_TIMEOUT_S = 30.0
 # After an abort, the least time a worker gets to unwind (see ``stop``), and the bound on
 # asking a worker about to be replaced for its last words.
 ABORT_JOIN_MIN_S = 5.0
-# Process-group formation timeout.
-GROUP_TIMEOUT_S = 60.0
+GROUP_TIMEOUT_S = 60.0  # process-group formation timeout
 SLICE_S = 0.25  # how often a wait checks the stop flag
 DRAIN_CHECK_INTERVAL_S = 0.5  # how often to ask the GCS which nodes are draining (notices)
-# A running group is watched, not polled whole every tick (``watch``): each tick polls
-# rank 0 (metrics, step time), any member whose train thread ended or whose actor died,
-# and every member at least every max(poll interval, members / MAX_POLLS_PER_S) seconds.
-# A poll costs the controller ~0.5 ms of CPU per worker here (benchmarks/control_plane.py),
-# so 200 polls a second is ~10% of a core at any group size; up to 20 workers every member
-# is still polled every 0.1 s tick.
+# A running group is watched, not polled whole every tick (``watch``): each tick polls rank 0 (metrics,
+# step time), any member whose train thread ended or whose actor died, and every member at least every
+# max(poll interval, members / MAX_POLLS_PER_S) seconds. A poll costs the controller ~0.5 ms of CPU per
+# worker (benchmarks/control_plane.py), so 200 polls a second is ~10% of a core at any group size; up to
+# 20 workers every member is still polled every 0.1 s tick.
 MAX_POLLS_PER_S = 200.0
-# How long one watch call (``TrainWorker.join``) waits before it is renewed.
-WATCH_CALL_S = 30.0
+WATCH_CALL_S = 30.0  # how long one watch call (``TrainWorker.join``) waits before it is renewed
 
 
 class WorkerGroup:
@@ -108,6 +105,9 @@ class WorkerGroup:
     @property
     def last_ready_at(self) -> Optional[float]:
         return self.pool.last_ready_at
+
+    def starting(self) -> int:
+        return self.pool.starting()  # placed workers whose process is starting
 
     def set_target(self, node_type: Optional[str], count: int) -> None:
         self.pool.targets[node_type] = count
