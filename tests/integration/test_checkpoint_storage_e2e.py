@@ -143,9 +143,10 @@ def _run_config(name: str, uri: str, monkeypatch=None, retry: RetryPolicy | None
                      tensorboard=False, **kw)
 
 
-def _trainer(cfg: dict, run_config: RunConfig, workers: int = 2) -> ElasticTrainer:
+def _trainer(cfg: dict, run_config: RunConfig, workers: int = 2, keep_s: float | None = None) -> ElasticTrainer:
     return ElasticTrainer(sharded_checkpoints, train_loop_config=cfg,
-                          scaling_config=ScalingConfig(min_workers=workers, max_workers=workers),
+                          scaling_config=ScalingConfig(min_workers=workers, max_workers=workers,
+                                                       keep_workers_s=keep_s),
                           run_config=run_config)
 
 
@@ -550,7 +551,9 @@ def fresh_cluster_runs(clusters, servers, tmp_path_factory):
     """For each backend, a run of 7 steps on the module's cluster, then (the three runs done)
     one brand-new cluster, and a second fit() of each run to 12 steps on it: one cluster
     restart serves the three backends. Each run's outcome, or the error that ended it, goes to
-    its backend's test."""
+    its backend's test. The fits keep their workers for the next one on the same cluster
+    (``keep_workers_s``: 4 of 6 fits start no worker process; the fresh cluster starts new
+    ones, with nothing of the first cluster's), where the module's other tests keep none."""
     runs = {}
     for backend in BACKENDS:
         prefix = f"e2e-{uuid.uuid4().hex[:8]}"
@@ -562,7 +565,7 @@ def fresh_cluster_runs(clusters, servers, tmp_path_factory):
     def fit(r: SimpleNamespace, total: int, log_dir: str):
         os.makedirs(log_dir)
         cfg = {"total_steps": total, "checkpoint_every": 3, "log_dir": log_dir}
-        return _trainer(cfg, _run_config(r.run, r.uri)).fit()
+        return _trainer(cfg, _run_config(r.run, r.uri), keep_s=30.0).fit()
 
     first_cluster = clusters.get()
     first_address = first_cluster.address
