@@ -19,8 +19,8 @@ about a run's workers (and kills the lost, surplus and hung ones itself).
 
 A worker is kept only if its train function and uploads have ended (``TrainWorker.release``);
 a kept worker is taken only by a run asking for the same actor options (resources, node
-type, GPUs), which starts new ones for the rest; the kept workers a run does not take are
-ended when it asks for workers, so their resources are free for it.
+type, GPUs); the kept workers a run does not take are ended when it asks for workers, so
+their resources are free for it.
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ class KeptWorkers:
         self._idle += [(key, w, now + keep_s) for w in workers]
 
     def take(self, key: str, n: int, now: float) -> Tuple[List[Any], List[Any]]:
-        """Up to ``n`` unexpired workers of ``key`` (the run starts the rest: kept workers
-        are ready at once and new ones seconds later, and its first group waits for new
-        ones placed on a node, ``policies/scaling.py``); and every other idle worker, to
-        end now. A run asks for all the workers it wants at once, so what it does not take
-        holds resources it may need."""
+        """``n`` unexpired workers of ``key``, or none if there are fewer (all or nothing:
+        kept workers are ready at once and new ones seconds later, so a mix would form a
+        smaller first group and grow it at once, where new workers start together); and
+        every other idle worker, to end now. A run asks for all the workers it wants at
+        once, so what it does not take holds resources it may need."""
         fits = [i for i, (key_, _, expires) in enumerate(self._idle) if key_ == key and expires > now]
-        chosen = set(fits[:n])
+        chosen = set(fits[:n]) if len(fits) >= n else set()
         taken = [w for i, (_, w, _) in enumerate(self._idle) if i in chosen]
         ended = [w for i, (_, w, _) in enumerate(self._idle) if i not in chosen]
         self._idle = []
