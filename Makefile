@@ -133,9 +133,11 @@ NICE_AS_RAY := nice -n 15
 # ranks): mostly waits on servers restarting and retries.
 IT_NO_RAY := $(addprefix tests/integration/,test_storage_backends.py test_torchrun_azure.py \
 	test_rendezvous_azure_backend.py test_stripes_gloo.py test_gloo_abort.py)
-# $(call BG_JOB,name,command): run command in the background at BG priority; its output in
-# .cache/name.log, its exit status in .cache/name.rc once it ends.
-BG_JOB = (rm -f .cache/$(1).rc; $(BG) sh -c '$(2)' </dev/null >.cache/$(1).log 2>&1; echo $$? >.cache/$(1).rc) &
+# $(call JOB,name,command[,prefix]): run command in the background (under prefix, e.g. a
+# priority); its output in .cache/name.log, its exit status in .cache/name.rc once it ends.
+JOB = (rm -f .cache/$(1).rc; $(3) sh -c '$(2)' </dev/null >.cache/$(1).log 2>&1; echo $$? >.cache/$(1).rc) &
+# $(call BG_JOB,name,command): the same at BG priority.
+BG_JOB = $(call JOB,$(1),$(2),$(BG))
 # $(call WAIT_RC,name): shell words that wait until background job name has ended
 WAIT_RC = while [ ! -e .cache/$(1).rc ]; do sleep 1; done;
 # $(call BG_SHOW,names): wait for those jobs (40 min at most), show their output; rc=1 if one failed
@@ -161,7 +163,7 @@ warm-bytecode: $(STAMP)
 AFTER_DS := $(call WAIT_RC,deepspeed-installed)
 test:
 	@mkdir -p .cache; rm -f .cache/*.rc
-	@($(MAKE) --no-print-directory $(AZURITE) >.cache/azurite.log 2>&1; echo $$? >.cache/azurite.rc) &
+	@$(call JOB,azurite,$(MAKE) --no-print-directory $(AZURITE))
 	@$(MAKE) --no-print-directory $(TORCHED)
 	@$(call BG_JOB,deepspeed-wheel,$(MAKE) --no-print-directory $(DSWHEEL))
 	@$(MAKE) --no-print-directory -j2 $(STAMP) check-configs warm-bytecode

@@ -180,4 +180,3 @@ def _memory(state: Any) -> Dict[str, Any]:
 
 
 __all__ = ["fsdp2_mlp", "deepspeed_mlp", "mlp"]
-

@@ -199,7 +199,7 @@ class WorkerPool:
         process is starting (importing torch, a runtime env), so they will be ready in
         seconds, unlike an actor still waiting for a node. Ray's GCS tells them apart:
         both are ``PENDING_CREATION``, and only a placed one has a worker process (pid)."""
-        pending = {h.actor._actor_id.hex() for h in self.workers.values() if not h.ready and h.actor is not None}
+        pending = {h.actor._actor_id.hex() for h in self.workers.values() if not h.ready}
         return count_placed(pending) if pending else 0
 
     def ready_spares(self, members: List[WorkerHandle]) -> List[WorkerHandle]:
