@@ -99,8 +99,12 @@ def fresh_cluster(num_nodes: int = 3, cpus_per_node: int = 1) -> Iterator[Tuple[
     so no run inherits another's workers or storage."""
     from raylastic.testing.cluster import LocalCluster
 
-    with tempfile.TemporaryDirectory() as tmp, \
-            LocalCluster(num_nodes=num_nodes, cpus_per_node=cpus_per_node) as cluster:
+    keep = os.environ.get("RAYLASTIC_BENCH_KEEP")  # a folder: each run's scratch dir stays there
+    with contextlib.ExitStack() as stack:
+        tmp = tempfile.mkdtemp(dir=keep) if keep else stack.enter_context(tempfile.TemporaryDirectory())
+        if keep:
+            print(f"scratch dir (kept): {tmp}", flush=True)
+        cluster = stack.enter_context(LocalCluster(num_nodes=num_nodes, cpus_per_node=cpus_per_node))
         log_dir = os.path.join(tmp, "logs")
         os.makedirs(log_dir)
         yield tmp, log_dir, cluster

@@ -96,3 +96,51 @@ def test_fully_shard_again_in_the_train_thread_on_a_cuda_build_that_sees_no_gpu(
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert [line for line in out.stdout.splitlines() if line.endswith(" ok")] == [
         "attempt 0 ok", "attempt 1 ok", "attempt 2 ok"]
+
+
+# Two attempts in each of 3 processes, through TrainThread, the second with ranks 1 and 2
+# swapped (a survivor's rank changes when a lower rank is lost). Each attempt builds and
+# fully_shards a new layer, as a train function does on every resize; its DTensor mesh must
+# say the attempt's rank. Before the train thread cleared DTensor's caches, the process
+# that became rank 1 kept rank 2's mesh and rows (see the module's docstring).
+RANK_CHANGE = textwrap.dedent("""
+    import os, sys, tempfile
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+    def proc(p, d):
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from raylastic._internal.worker_group.train_thread import TrainThread
+        seen = []
+
+        def attempt(i, rank):
+            dist.init_process_group("gloo", store=dist.FileStore(f"{d}/store{i}", 3), rank=rank, world_size=3)
+            layer = torch.nn.Linear(8, 12)
+            fully_shard(layer)
+            w = layer.weight
+            _shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+            seen.append((i, rank, w.device_mesh.get_coordinate()[0], offset[0]))
+            dist.barrier()
+            dist.destroy_process_group()
+
+        t = TrainThread("train")
+        for i, ranks in enumerate([(0, 1, 2), (0, 2, 1)]):
+            t.submit(lambda i=i, r=ranks[p]: attempt(i, r))
+            assert t.join(60)
+        print("proc", p, seen, flush=True)
+
+    if __name__ == "__main__":
+        mp.spawn(proc, args=(tempfile.mkdtemp(),), nprocs=3)
+""")
+
+
+def test_an_fsdp2_attempt_whose_rank_changed_shards_by_its_new_rank(tmp_path):
+    script = tmp_path / "rank_change.py"  # a file: spawned processes import their target from it
+    script.write_text(RANK_CHANGE)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("proc "))
+    assert len(lines) == 3, out.stdout[-2000:] + out.stderr[-2000:]
+    for line in lines:
+        for attempt, rank, coordinate, row in eval(line.split(" ", 2)[2]):  # noqa: S307 - our own print
+            assert (coordinate, row) == (rank, 4 * rank), f"attempt {attempt}: {line}"
