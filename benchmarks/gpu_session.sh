@@ -46,5 +46,7 @@ on sharded && CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu step sharded ${SHARDED_LI
   python3 benchmarks/sharded_recovery.py --cpus-per-worker ${SHARDED_CPUS:-4} --kill-at 5 --between 2 \
   --checkpoint-every 3 --timeout-s 150 --systems ${SHARDED_SYSTEMS:-raylastic} \
   --frameworks ${SHARDED_FRAMEWORKS:-fsdp2,zero3} ${SHARDED_ARGS:-} --out "$OUT/sharded_recovery.json"
-pkill -9 -f "raylet|gcs_server|ray::" 2>/dev/null
+# The brackets keep the pattern from matching a shell whose command line holds it: the plain
+# pattern once killed the device call's own shell, which had this script's steps inline.
+pkill -9 -f "[r]aylet|[g]cs_server|[r]ay::" 2>/dev/null
 exit 0

@@ -84,7 +84,9 @@ def _elastic_run(local_cluster, run_dir, tmp_path, train_func, name, **cfg_extra
                                                        checkpoint_config=CheckpointConfig(persist_every=10))))
     th.start()
     w = RunWatcher(os.path.join(run_dir, name))
-    kill_node_at(local_cluster, w, 6)
+    # rank 1's node: the last rank's process becomes rank 1 and stays rank 1 in the group of 3
+    # after the scale-up, where it was rank 2 before (FSDP2 once kept its old mesh: TrainThread)
+    kill_node_at(local_cluster, w, 6, rank=1)
     w.wait_for_event(EventKind.FIRST_STEP, 120, count=2)
     local_cluster.add_node()
     result = th.wait(300)
