@@ -99,9 +99,13 @@ def _keep_workers_between_runs(item) -> None:
     ``test_storage_stopped_while_a_group_re_forms``, whose replacement worker must start on
     the one node the run did not use within 90 s and did not (likely: a kept worker held
     that node's CPU; not verified), and the FSDP2 3-2-3 test's restore from peer memory on
-    a shard shape (not explained; 11 repeats passed). The ``_KEEP_NONE`` modules keep
-    none and end the kept ones first:
-    - ``test_sharded.py``: the unexplained FSDP2 failure above;
+    a shard shape. The latter is explained since (2026-11-28): a kept worker that had been
+    rank 2 became rank 1 and got its old DTensor mesh back from torch's per-thread caches,
+    which the worker's train thread now clears before each attempt. The ``_KEEP_NONE``
+    modules keep none and end the kept ones first:
+    - ``test_sharded.py``: keeping gained nothing measurable (4 passed in 172 s keeping,
+      174 s not, 2026-11-28): each test's elastic run asks for more workers than its
+      reference run leaves, so it starts all of them anyway (kept workers are all or none);
     - ``test_ray_data_input.py``: its datasets' tasks need the CPUs the workers kept from
       the test before hold, and waited for them to expire (two of its tests 62 -> 89 s and
       58 -> 94 s in a clean clone, 2026-11-27)."""

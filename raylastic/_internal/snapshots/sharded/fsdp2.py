@@ -35,9 +35,10 @@ def _dtensor_chunk(key: str, t: Any) -> Piece:
 
 
 def _mesh_view(t: Any) -> str:
-    """Which rank the DTensor's mesh and the process group each say this is: a shard
-    shape that differs from its placement was seen once (an FSDP2 3-2-3 run, 2026-11-27,
-    not reproduced since), and this says which of them disagreed."""
+    """Which rank the DTensor's mesh and the process group each say this is, for when a
+    shard's shape differs from its placement. Seen once (an FSDP2 3-2-3 test, 2026-11-27):
+    most likely a mesh kept from an earlier attempt at another rank, which DTensor's
+    per-thread caches handed back until the train thread cleared them (2026-11-28)."""
     import torch.distributed as dist
     try:
         mesh = t.device_mesh
