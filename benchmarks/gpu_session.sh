@@ -7,7 +7,18 @@
 #
 # Needs python3 with a CUDA build of torch. Where Ray is not installed, wheels in .whl/
 # (ray 2.60.0 for that Python, its jars left out, and the few dependencies the image lacks)
-# are installed into /tmp/site first.
+# are installed into /tmp/site first. How .whl/ was made for the lent machines' image
+# (Python 3.12, torch 2.11.0+cu130; 49 MB, under the 64 MB a device call carries; 2026-11-28):
+#   echo /.whl/ >> .git/info/exclude
+#   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+#      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64"
+#   pip download $P -d raw ray==2.60.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
+#      referencing==0.37.0 rpds-py==2026.9.1 pydantic==2.14.4 pydantic_core==2.50.5
+#      annotated-types==0.8.0 typing-inspection==0.4.5 tensorboardX==2.6.5 hjson==3.1.0
+#   ray's wheel unpacked, ray/jars and ray/rllib deleted (and their RECORD lines), zipped
+#   again under the same name (45 MB); the rest copied as they are
+#   .venv/bin/pip wheel --no-deps --no-build-isolation -w .whl deepspeed==0.19.8   (pure Python)
+# and each device call names .whl in `carry`.
 #   1. tests/gpu: the CUDA snapshot copy, NCCL training on every GPU through a Ray cluster, and
 #      FSDP2 on the GPU persisted and resumed from storage like an uninterrupted run
 #   2. benchmarks/gpu_snapshot.py: snapshot stall per step and restore on the 51.6M model
