@@ -104,7 +104,7 @@ def test_fully_shard_again_in_the_train_thread_on_a_cuda_build_that_sees_no_gpu(
 # say the attempt's rank. Before the train thread cleared DTensor's caches, the process
 # that became rank 1 kept rank 2's mesh and rows (see the module's docstring).
 RANK_CHANGE = textwrap.dedent("""
-    import os, sys, tempfile
+    import tempfile
     import torch, torch.distributed as dist, torch.multiprocessing as mp
 
     def proc(p, d):

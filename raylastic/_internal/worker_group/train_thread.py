@@ -85,26 +85,18 @@ def _grad_mode_on() -> None:
 
 
 def _forget_dtensor_sharding() -> None:
-    """Clear this thread's DTensor sharding caches (see the module docstring); nothing to
-    clear if no attempt imported DTensor yet. Each is looked up, as their homes are private
-    to torch and move between releases."""
+    """Clear this thread's DTensor sharding-propagation caches, the Python one and the C++
+    dispatch fast path's (see the module docstring; clearing the Python one alone left the
+    old mesh in place). Nothing to clear if no attempt imported DTensor yet. Both are
+    private to torch, hence the lookups and the warning if they move."""
     dt = sys.modules.get("torch.distributed.tensor")
     if dt is None:
         return
-    torch = sys.modules["torch"]
     try:
-        prop = dt.DTensor._op_dispatcher.sharding_propagator
-        prop.propagate_op_sharding.cache_clear()  # the Python cache
-        clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-        if clear_native is not None:  # the C++ dispatch fast path's own cache (torch >= 2.10)
+        dt.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        clear_native = getattr(sys.modules["torch"]._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if clear_native is not None:  # (torch releases without the C++ fast path lack it)
             clear_native()
-        meta = getattr(prop, "_propagate_tensor_meta_cached", None)
-        if meta is not None and hasattr(meta, "cache_clear"):
-            meta.cache_clear()
-        redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
-        planner = getattr(redistribute, "_gen_transform_infos", None)
-        if planner is not None and hasattr(planner, "cache_clear"):
-            planner.cache_clear()
     except Exception:  # noqa: BLE001 - torch moved them: say so, the attempt still runs
         logger.warning("could not clear DTensor's sharding caches; an FSDP2 survivor whose rank "
                        "changed may keep its old mesh", exc_info=True)
