@@ -44,7 +44,7 @@ fi
   python3 -c "import sys, torch, ray; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'ray', ray.__version__, 'gpus', torch.cuda.device_count())"; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  timeout -k 30 "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "== $name rc=$rc in $((SECONDS - t0)) s"; tail -n 25 "$OUT/$name.log"; }
 STEPS=${STEPS:-gpu_tests gpu_snapshot recovery_cuda}
 on() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }

@@ -85,7 +85,10 @@ def run_schedule(cluster, fit: Callable[[], Any], log_dir: str, stop_path: str, 
         marks["timeout"] = "terminated (SIGTERM) before the schedule finished"
         marks["terminated"] = True
     open(stop_path, "w").close()
-    th.join(15 if marks.get("terminated") else timeout_s)
+    # SIGTERM: summarize at once: `timeout -k` SIGKILLs soon after it (gpu_session.sh). A
+    # Ray Train run's numbers were lost that way (2026-11-28): Ray's own SIGTERM handler
+    # (drain 30 s) had replaced ours, which LocalCluster now keeps, and this waited 15 s.
+    th.join(2 if marks.get("terminated") else timeout_s)
     if th.is_alive():
         marks.setdefault("timeout", "fit() did not return after the stop flag")
     return summarize(log_dir, marks, box)

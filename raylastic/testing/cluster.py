@@ -7,8 +7,11 @@ tuned fast by default (Ray's defaults take ~14 s to notice a dead node; see READ
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import ray
 from ray.cluster_utils import Cluster
@@ -43,14 +46,16 @@ class LocalCluster:
         self.worker_nodes: List[Any] = []
 
     def start(self) -> "LocalCluster":
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": self._head_cpus, "_system_config": self._system_config,
-                            "object_store_memory": self._osm, "include_dashboard": False},
-        )
+        with _caller_keeps_sigterm():
+            self.cluster = Cluster(
+                initialize_head=True,
+                head_node_args={"num_cpus": self._head_cpus, "_system_config": self._system_config,
+                                "object_store_memory": self._osm, "include_dashboard": False},
+            )
         for _ in range(self._num_nodes):
             self.add_node(wait=False)
-        ray.init(address=self.cluster.address, log_to_driver=True)
+        with _caller_keeps_sigterm():
+            ray.init(address=self.cluster.address, log_to_driver=True)
         self.cluster.wait_for_nodes()
         return self
 
@@ -64,7 +69,8 @@ class LocalCluster:
         args: Dict[str, Any] = {"num_cpus": self._cpus, "resources": dict(self._resources),
                                 "object_store_memory": self._osm}
         args.update(kwargs)
-        node = self.cluster.add_node(**args)
+        with _caller_keeps_sigterm():
+            node = self.cluster.add_node(**args)
         self.worker_nodes.append(node)
         if wait:
             self.cluster.wait_for_nodes()
@@ -100,6 +106,27 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+@contextlib.contextmanager
+def _caller_keeps_sigterm() -> Iterator[None]:
+    """Each Ray node made in this process (the head, every ``add_node``) installs Ray's
+    SIGTERM handler: drain the node for up to 30 s, kill its processes, ``sys.exit(1)``
+    (and ``ray.init`` one of its own, ``sys.exit``).
+    A caller that installed a SIGTERM handler of its own keeps it: a benchmark's handler
+    writes the results so far, and under ``timeout -k 10`` Ray's 30 s drain meant a
+    SIGKILL and no results (2026-11-28). Its cluster is then shut down by the caller's
+    ``with`` / ``shutdown()``. Without a handler of the caller's, Ray's stays (the
+    newest node's, as without this)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(before) and not getattr(before, "__module__", "").startswith("ray."):
+            signal.signal(signal.SIGTERM, before)
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what="condition"):

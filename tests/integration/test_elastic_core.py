@@ -269,6 +269,24 @@ def test_fit_again_resumes_from_the_last_committed_checkpoint(local_cluster, run
     assert ray.is_initialized()
 
 
+def test_a_node_added_leaves_the_callers_sigterm_handler_in_place(local_cluster, restore_nodes):
+    """Every Ray node made in the driver installs Ray's SIGTERM handler (drain up to 30 s,
+    then exit), which took over the benchmarks' own: under `timeout -k 10` a run was
+    SIGKILLed before it wrote its results. ``LocalCluster`` puts the caller's back."""
+    import signal
+
+    def mine(signum, frame):  # never called: only its registration is checked
+        raise AssertionError("SIGTERM")
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        node = local_cluster.add_node()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    local_cluster.remove_node(node)
+
+
 def test_capacity_wait_is_bounded(local_cluster, run_dir):
     end_kept_workers()  # the suite keeps workers between runs (tests/conftest.py)
     before = _actor_count()
