@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -46,15 +45,14 @@ class LocalCluster:
         self.worker_nodes: List[Any] = []
 
     def start(self) -> "LocalCluster":
-        with _caller_keeps_sigterm():
+        with _caller_keeps_sigterm():  # (the head's, and ray.init's)
             self.cluster = Cluster(
                 initialize_head=True,
                 head_node_args={"num_cpus": self._head_cpus, "_system_config": self._system_config,
                                 "object_store_memory": self._osm, "include_dashboard": False},
             )
-        for _ in range(self._num_nodes):
-            self.add_node(wait=False)
-        with _caller_keeps_sigterm():
+            for _ in range(self._num_nodes):
+                self.add_node(wait=False)
             ray.init(address=self.cluster.address, log_to_driver=True)
         self.cluster.wait_for_nodes()
         return self
@@ -117,10 +115,7 @@ def _caller_keeps_sigterm() -> Iterator[None]:
     writes the results so far, and under ``timeout -k 10`` Ray's 30 s drain meant a
     SIGKILL and no results (2026-11-28). Its cluster is then shut down by the caller's
     ``with`` / ``shutdown()``. Without a handler of the caller's, Ray's stays (the
-    newest node's, as without this)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    newest node's, as without this). Main thread only, as ``add_node`` is."""
     before = signal.getsignal(signal.SIGTERM)
     try:
         yield
