@@ -6,6 +6,7 @@ files; every wait is bounded.
 """
 
 import os
+import signal
 import time
 
 import pytest
@@ -273,8 +274,6 @@ def test_a_node_added_leaves_the_callers_sigterm_handler_in_place(local_cluster,
     """Every Ray node made in the driver installs Ray's SIGTERM handler (drain up to 30 s,
     then exit), which took over the benchmarks' own: under `timeout -k 10` a run was
     SIGKILLed before it wrote its results. ``LocalCluster`` puts the caller's back."""
-    import signal
-
     def mine(signum, frame):  # never called: only its registration is checked
         raise AssertionError("SIGTERM")
 

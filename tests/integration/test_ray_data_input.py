@@ -41,7 +41,6 @@ B, EPOCHS = 4, 3
 # streaming step, with its checkpoint through ray.train.report, takes ~2x a materialized
 # one), so the node added back joins while training (it took 5-8 s).
 ROWS = {"materialized": 480, "streaming": 240}
-FOOTER_ACTORS = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
 
 
 @pytest.fixture(scope="module")
@@ -52,18 +51,14 @@ def data_cluster():
     # actors, 32 by default (RAY_DATA_PARQUET_FOOTER_NUM_ACTORS), each a new worker process
     # (~1.7 CPU-s to start) for these 8 small files, at every execution of the read. Two do
     # the same listing; the raylets (and so the split coordinator) inherit the setting.
-    saved = os.environ.get(FOOTER_ACTORS)
-    os.environ[FOOTER_ACTORS] = "2"
-    cluster = LocalCluster(num_nodes=3, cpus_per_node=1, node_resources={"slot": 1}, head_cpus=1)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.shutdown()
-        if saved is None:
-            os.environ.pop(FOOTER_ACTORS, None)
-        else:
-            os.environ[FOOTER_ACTORS] = saved
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "2")
+        cluster = LocalCluster(num_nodes=3, cpus_per_node=1, node_resources={"slot": 1}, head_cpus=1)
+        try:
+            cluster.start()
+            yield cluster
+        finally:
+            cluster.shutdown()
 
 
 @pytest.fixture
