@@ -1,8 +1,9 @@
 """Shared fixtures. The ``local_cluster`` Ray cluster is started once and kept for the
 modules that follow each other using it (each module gets it back at 3 worker nodes); it is
 shut down before any other test runs (a test that may start a Ray cluster of its own) and at
-the end of the session, so no Ray process outlives the session and two clusters never run
-at once."""
+the end of the session, so no Ray process outlives the session and one pytest process never
+runs two clusters at once. ``make test`` runs two such processes side by side, one per lane
+(``--ray-lane``): two clusters, each of its own session and ports."""
 
 from __future__ import annotations
 
@@ -16,7 +17,21 @@ import pytest
 from integration.storage_fixtures import *  # noqa: F401,F403  (SeaweedFS/Azurite storage fixtures)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--ray-lane", choices=("shared", "own"), default=None,
+        help="run only the tests of one lane: 'shared', the modules using the shared "
+             "local_cluster; 'own', every other test (each starts its cluster, if any). "
+             "`make test` runs the two lanes at once, in two pytest processes.")
+
+
 def pytest_collection_modifyitems(config, items):
+    lane = config.getoption("--ray-lane")
+    if lane is not None:
+        keep = [item for item in items if _uses_local_cluster(item) == (lane == "shared")]
+        if len(keep) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+            items[:] = keep
     # The modules sharing ``local_cluster`` run one after another, after the others (each
     # keeps its order): a module that starts no cluster or its own in between made the
     # next one start a fresh cluster (~7 s each). Last, not first: their node-loss tests
