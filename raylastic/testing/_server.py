@@ -56,6 +56,13 @@ def _cleanup(procs: List[Optional[subprocess.Popen]], workdir: Optional[str]) ->
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+# How long a harness waits for its server to answer, by default. Generous: it only runs out
+# when something is wrong, and on a loaded machine a sound start is slow (Azurite, a Node.js
+# server started at nice 15 with both cores busy, was not ready after 30 s in a clean
+# clone's `make test`, 2026-11-28).
+STARTUP_TIMEOUT_S = 120.0
+
+
 class ServerProcess:
     """Base of the server harnesses. ``workdir``: deleted by ``close()`` (None: kept)."""
 
@@ -63,7 +70,7 @@ class ServerProcess:
     log_name = "server.log"
     server_name = "server"
     probe_interval_s = 0.2
-    startup_timeout_s = 30.0
+    startup_timeout_s = 30.0  # the harnesses' own default is STARTUP_TIMEOUT_S
 
     def __init__(self, workdir: str, delete_workdir: bool) -> None:
         self._workdir = workdir

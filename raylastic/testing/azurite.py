@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional
-from raylastic.testing._server import ServerProcess
+from raylastic.testing._server import STARTUP_TIMEOUT_S, ServerProcess
 from raylastic.testing.ports import free_ports
 
 __all__ = ["Azurite", "AzuriteNotInstalled", "find_azurite"]
@@ -75,7 +75,7 @@ class Azurite(ServerProcess):
     stop_grace_s = 3.0
     log_name = "azurite.log"
 
-    def __init__(self, *, executable: Optional[str] = None, startup_timeout_s: float = 30.0) -> None:
+    def __init__(self, *, executable: Optional[str] = None, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         exe = executable or find_azurite()
         if exe is None or not Path(exe).exists() and shutil.which(exe) is None:
             raise AzuriteNotInstalled(f"azurite executable not found ({exe or _REPO_AZURITE}); {_INSTALL_HINT}")

@@ -22,7 +22,10 @@ machine's disk), all under ``config["log_dir"]``:
 
 Stopping: when ``config["stop_path"]`` exists (agreed by an all-reduce, so no rank is
 left in a collective) :func:`chaos_elastic` finishes the current data epoch and returns,
-so the run ends at a whole number of epochs that a fault-free reference can repeat;
+so the run ends at a whole number of epochs that a fault-free reference can repeat (at
+least ``config["min_epochs"]``, default 1: the faults are paced by time, so on a busy
+machine all of them can land in the first epoch, and a check across an epoch boundary
+needs a second);
 :func:`chaos_ray_train` stops at once.
 
 The model and data are float64 by default (``config["dtype"]``): summing the gradients of 1,
@@ -117,7 +120,8 @@ def _stop_requested(path: Optional[str], world: int) -> bool:
 def chaos_elastic(config: Dict[str, Any]) -> None:
     """raylastic: ElasticState + ElasticDataLoader. config: n (1200), global_batch (48),
     micro_batch (8), epochs (max epochs, 10**6), lr (0.05), seed (0), hidden (64),
-    ballast_mb (0), step_sleep_s (0), sample_sleep_s (0), log_dir, stop_path, weights_out."""
+    ballast_mb (0), step_sleep_s (0), sample_sleep_s (0), log_dir, stop_path, min_epochs (1),
+    weights_out."""
     import raylastic
     from raylastic.data import ElasticDataLoader
 
@@ -150,7 +154,7 @@ def chaos_elastic(config: Dict[str, Any]) -> None:
             idx.flush()
             _simulated_compute(config, len(batch.indices))
             if state.stop_epoch < 0 and _stop_requested(config.get("stop_path"), world):
-                state.stop_epoch = batch.epoch
+                state.stop_epoch = max(batch.epoch, int(config.get("min_epochs", 1)) - 1)
             state.step += 1
             if rank == 0:
                 _append(os.path.join(log_dir, "steps.jsonl"),

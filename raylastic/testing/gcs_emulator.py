@@ -28,7 +28,7 @@ import urllib.request
 from typing import Optional
 
 from raylastic.testing.ports import free_port
-from raylastic.testing._server import ServerProcess
+from raylastic.testing._server import STARTUP_TIMEOUT_S, ServerProcess
 
 __all__ = ["FakeGcs", "FakeGcsNotInstalled", "find_fake_gcs"]
 
@@ -68,7 +68,7 @@ class FakeGcs(ServerProcess):
     probe_interval_s = 0.1
 
     def __init__(self, *, bucket: str = "raylastic-test", data_dir: Optional[str] = None,
-                 executable: Optional[str] = None, startup_timeout_s: float = 30.0) -> None:
+                 executable: Optional[str] = None, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         exe = executable or find_fake_gcs()
         if exe is None:
             raise FakeGcsNotInstalled(

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import uuid
 from typing import Optional
-from raylastic.testing._server import ServerProcess
+from raylastic.testing._server import STARTUP_TIMEOUT_S, ServerProcess
 from raylastic.testing.ports import free_ports
 
 __all__ = ["SeaweedS3", "SeaweedNotInstalled", "find_weed"]
@@ -60,7 +60,7 @@ class SeaweedS3(ServerProcess):
     server_name = "SeaweedFS"
 
     def __init__(self, *, bucket: str = "raylastic-test", data_dir: Optional[str] = None,
-                 executable: Optional[str] = None, startup_timeout_s: float = 60.0) -> None:
+                 executable: Optional[str] = None, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         exe = executable or find_weed()
         if exe is None:
             raise SeaweedNotInstalled(
