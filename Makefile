@@ -105,11 +105,12 @@ install: $(DSSTAMP) $(AZURITE)
 demo: $(DSSTAMP)
 	$(PY) examples/demo.py
 
-# `make test` puts on the critical path only what the integration tests (the Ray work) need: torch, then the lock's install, then check-configs and
-# warm-bytecode, all beside Azurite's npm install (~30 s, from the start: when it began after
-# torch it ended last, 44 s in, measured 2026-11-27). Everything else runs beside the integration tests at idle scheduling
+# `make test` puts on the critical path only what the integration tests (the Ray work) need:
+# torch, then the lock's install, then check-configs and warm-bytecode, all beside Azurite's
+# npm install (~30 s, from the start: when it began after torch it ended last, 44 s in,
+# measured 2026-11-27). Everything else runs beside the integration tests at idle scheduling
 # priority (BG: `chrt -i 0`, SCHED_IDLE; nice 19 where chrt is missing), in the CPU they
-# leave idle (about 40%, measured): DeepSpeed's wheel build (from the moment torch is in) and
+# leave idle: DeepSpeed's wheel build (from the moment torch is in) and
 # install, the unit tests (once DeepSpeed is in: two pytest processes, and the DeepSpeed
 # file), ruff and mypy (`make lint`). Why SCHED_IDLE and not nice: Ray runs its workers at
 # nice 15 (RAY_worker_niceness), so a job at nice 10 comes before them (the integration
@@ -117,10 +118,10 @@ demo: $(DSSTAMP)
 # 2026-11-26) and one at nice 19 still gets 15/36 of a worker's share. The integration tests
 # that start no Ray cluster (IT_NO_RAY: storage servers restarting, torchrun agents, gloo
 # ranks, with timeouts of their own) run beside them at nice 15 (NICE_AS_RAY), on an equal
-# footing with Ray's workers, from when the unit tests have ended: before that the machine
-# has no idle CPU (measured with RAYLASTIC_TEST_PROFILE, 2026-11-27), so they ran on the
-# Ray workers' share; after it, the Ray tests leave ~30% of it idle (waits on failure
-# detection, paced steps, starting nodes), which they can take instead. The ZeRO
+# footing with Ray's workers, from the start: with the Ray tests in two lanes the machine is
+# busy to the end (/proc/stat, 2026-11-28), so there is no idle CPU worth waiting for, and
+# these tests are mostly waits on servers (~117 CPU-s in ~200 s alone); started after the
+# unit tests, as before, they ended last, beside the slower lane (578802d). The ZeRO
 # integration tests, near the end, wait for DeepSpeed's install
 # (RAYLASTIC_TEST_DEEPSPEED_RC, see tests/conftest.py). Each background job writes
 # .cache/<job>.log and .rc; `make test` shows them after the integration tests and fails at
@@ -182,8 +183,7 @@ test:
 		$(MAKE) --no-print-directory $(DSSTAMP); r=$$?; echo $$r >.cache/deepspeed-installed.rc; \
 		test $$r = 0 && $(UNIT_PYTEST) $(UNIT_DS))
 	@$(call BG_JOB,lint,$(MAKE) --no-print-directory lint)
-	@{ $(call WAIT_RC,unit-slow) $(call WAIT_RC,unit-rest) \
-	  $(NICE_AS_RAY) $(PY) -m pytest -q -ra -p no:cacheprovider $(IT_NO_RAY); } >.cache/it-no-ray.log 2>&1 & noray=$$!; \
+	@$(NICE_AS_RAY) $(PY) -m pytest -q -ra -p no:cacheprovider $(IT_NO_RAY) >.cache/it-no-ray.log 2>&1 & noray=$$!; \
 	export RAYLASTIC_TEST_DEEPSPEED_RC=.cache/deepspeed-installed.rc; \
 	$(RAY_PYTEST) --ray-lane own tests >.cache/ray-own.log 2>&1 & own=$$!; \
 	$(RAY_PYTEST) --ray-lane shared tests; rc=$$?; \

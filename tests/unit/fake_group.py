@@ -58,6 +58,7 @@ class FakeGroup:
         self._new: List[WorkerHandle] = []
         self._next_wid = 0
         self.dead_peer_graces: List[float] = []  # how long the controller would look for a dead peer
+        self.dead_peer_silent: List[bool] = []  # and whether a peer that only does not answer counts
         self.draining: Dict[str, int] = {}
         self.last_ready_at: Optional[float] = None
         self.starting_count = 0  # workers placed and starting (not ready): what starting() says
@@ -213,8 +214,9 @@ class FakeGroup:
         self._storage.write_bytes(f"{rel}/state.bin", data)
         return [["state.bin", len(data), f"crc32:{zlib.crc32(data):08x}"]]
 
-    def wait_for_dead_peer(self, others: Sequence[WorkerHandle], grace_s: float):
+    def wait_for_dead_peer(self, others: Sequence[WorkerHandle], grace_s: float, silent_is_dead: bool = True):
         self.dead_peer_graces.append(grace_s)
+        self.dead_peer_silent.append(silent_is_dead)
         return {m.wid: None for m in others if self.workers.get(m.wid) is None or self.worker(m).dead}
 
     def is_crash(self, m: WorkerHandle, cause) -> bool:

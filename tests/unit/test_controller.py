@@ -409,5 +409,36 @@ def test_a_plain_error_is_not_held_for_the_full_dead_peer_grace(tmp_path, messag
     group.worker(b).raise_at, group.worker(b).raise_message = group.worker(b).index + 2, message
     assert _tick_until(ctrl, lambda st: isinstance(st, Errored))[-1] == "Errored"
     assert group.dead_peer_graces == [grace]
+    # a peer that only does not answer is dead after an error a lost peer causes, not after
+    # a plain one: on a busy machine a live peer can take over the 1 s to answer
+    assert group.dead_peer_silent == [grace == ERROR_CLASSIFY_GRACE_S]
     assert message.partition(":")[2].strip() in str(ctrl._state.error)
 
+
+
+def test_after_a_plain_error_only_a_peer_ray_says_is_dead_counts():
+    """``WorkerGroup.wait_for_dead_peer`` itself, its probe stubbed: a silent peer (no answer
+    within the probe's timeout) counts only when asked; one Ray says is dead counts always."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import ActorDiedError
+
+    from raylastic._internal.worker_group.group import WorkerGroup
+
+    group = WorkerGroup(pool=None, poll_interval_s=0.1)  # type: ignore[arg-type]
+    peers = [SimpleNamespace(wid=1), SimpleNamespace(wid=2)]
+    died = ActorDiedError()
+    probes = []
+
+    def probe(handles, timeout_s):
+        probes.append(timeout_s)
+        return {1: None}  # wid 1 did not answer in time; wid 2 answered
+
+    group.probe = probe  # type: ignore[method-assign]
+    assert group.wait_for_dead_peer(peers, 0.3, silent_is_dead=True) == {1: None}
+    assert len(probes) == 1  # found at the first probe
+    start = time.monotonic()
+    assert group.wait_for_dead_peer(peers, 0.3, silent_is_dead=False) == {}
+    assert time.monotonic() - start >= 0.3 and len(probes) > 2  # probed until the grace ran out
+    group.probe = lambda handles, timeout_s: {1: None, 2: died}  # type: ignore[method-assign]
+    assert group.wait_for_dead_peer(peers, 0.3, silent_is_dead=False) == {2: died}

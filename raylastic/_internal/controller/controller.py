@@ -13,7 +13,6 @@ One loop, ``run -> _tick -> _step_<state> -> next state``; each collaborator own
 - policies (scaling, failure, capacity through ``CapacityDriver``, stop index): decide.
 
 The capacity and failure steps are mixins of this class: ``capacity_steps.py``, ``failure_steps.py``.
-
 The controller makes no actor call and imports no torch, so ``tests/unit/test_controller.py``
 steps it against a fake group.
 """
@@ -56,8 +55,8 @@ from raylastic.policies.scaling import ElasticScalingPolicy, ScalingSnapshot
 logger = logging.getLogger("raylastic")
 
 # After a rank raises, how long to look for a dead peer before calling it a real error
-# (a rank whose peer vanished mid-collective raises a connection error first); only 1 s
-# when every error is one a lost peer does not cause (``results.maybe_collateral``).
+# (a rank whose peer vanished mid-collective raises a connection error first); only 1 s, and only
+# a peer Ray says is dead (not a slow one), when no error is one a lost peer causes (``maybe_collateral``).
 ERROR_CLASSIFY_GRACE_S = 5.0
 PLAIN_ERROR_GRACE_S = 1.0
 # After an abort (a peer lost), a rank that is computing unwinds at its next report, within
@@ -313,8 +312,9 @@ class Controller(CapacitySteps, FailureSteps):
             return self._memory_snapshot_unusable(st, failures)
         if failures:
             failed = {st.members[f.rank].wid for f in failures}
-            grace = ERROR_CLASSIFY_GRACE_S if any(map(maybe_collateral, failures)) else PLAIN_ERROR_GRACE_S
-            dead = self._group.wait_for_dead_peer([m for m in st.members if m.wid not in failed], grace)
+            collateral = any(map(maybe_collateral, failures))
+            grace = ERROR_CLASSIFY_GRACE_S if collateral else PLAIN_ERROR_GRACE_S
+            dead = self._group.wait_for_dead_peer([m for m in st.members if m.wid not in failed], grace, collateral)
             if not dead:  # a real error: the others' reports made before it still count
                 batch = self._collect_last_reports(st, failures)
                 return self._on_failure(st, batch, failures)

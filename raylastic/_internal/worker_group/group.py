@@ -28,12 +28,9 @@ from raylastic._internal.cluster.drain import alive_nodes, draining_nodes
 from raylastic._internal.snapshots.placement import Holding, plan_stripes
 from raylastic._internal.worker_group.pool import WorkerHandle, WorkerPool
 from raylastic._internal.worker_group.membership import (  # noqa: F401 - re-exported
-    Formed, GroupFormationError, HungWorker, Interrupted, MembersLost, PollBatch, StopOutcome,
-    local_ranks, order_by_node,
+    Formed, GroupFormationError, HungWorker, Interrupted, MembersLost, PollBatch, StopOutcome, local_ranks, order_by_node,
 )
-from raylastic._internal.worker_group.results import (
-    Holdings, PersistedSnapshot, PollResult, StopAnswer,
-)
+from raylastic._internal.worker_group.results import Holdings, PersistedSnapshot, PollResult, StopAnswer
 from raylastic.config import RunConfig, ScalingConfig
 from raylastic._internal.protocol import GroupSpec, RestoreInfo
 
@@ -307,12 +304,15 @@ class WorkerGroup:
             dead[refs[ref].wid] = None
         return dead
 
-    def wait_for_dead_peer(self, others: Sequence[WorkerHandle], grace_s: float) -> Dict[int, Optional[BaseException]]:
-        """A rank raised: was it because a peer vanished? Look for a dead peer for up
-        to ``grace_s``; returns the dead ones (wid -> cause), maybe none."""
+    def wait_for_dead_peer(self, others: Sequence[WorkerHandle], grace_s: float,
+                           silent_is_dead: bool = True) -> Dict[int, Optional[BaseException]]:
+        """A rank raised: was it because a peer vanished? Look for a dead peer for up to ``grace_s``;
+        returns the dead ones (wid -> cause), maybe none. One that does not answer counts only with
+        ``silent_is_dead``: a live peer on a busy machine can take over a second (a false loss, seen)."""
         deadline = time.monotonic() + grace_s
         while True:
             dead = self.probe(others, timeout_s=max(0.1, min(1.0, deadline - time.monotonic())))
+            dead = {wid: cause for wid, cause in dead.items() if silent_is_dead or cause is not None}
             if dead or time.monotonic() >= deadline:
                 return dead
             self.check_interrupt()
