@@ -153,7 +153,7 @@ UNIT_PYTEST := $(PY) -m pytest -q -ra --durations=8 -p no:cacheprovider
 # took 1,423 s here, the whole of `make test`'s critical path, with the machine idle 31% of
 # it; in two lanes 866 s alone (784 s and 863 s, idle 11%), and `make test` 18-21 min
 # against 23-25. Not the default: with both cores busy to the end, timing-bound tests fail
-# from the load; 3 of 5 clean clones in two lanes failed 1-2 tests each, a different test
+# from the load; 3 of 5 clean clones in two lanes failed 1-3 tests each, a different test
 # each time (docs/status.md, "Test suite", 2026-11-28), against none of the last 3 one
 # lane at a time.
 RAY_LANES ?= 1

@@ -2,7 +2,7 @@
 modules that follow each other using it (each module gets it back at 3 worker nodes); it is
 shut down before any other test runs (a test that may start a Ray cluster of its own) and at
 the end of the session, so no Ray process outlives the session and one pytest process never
-runs two clusters at once. ``make test`` runs two such processes side by side, one per lane
+runs two clusters at once. ``make test RAY_LANES=2`` runs two such processes side by side, one per lane
 (``--ray-lane``): two clusters, each of its own session and ports. So a test connects to its
 cluster by address (``LocalCluster`` does), never by a bare ``ray.init()``: that reads
 Ray's "latest cluster" file, which names whichever cluster started last."""
@@ -24,7 +24,7 @@ def pytest_addoption(parser):
         "--ray-lane", choices=("shared", "own"), default=None,
         help="run only the tests of one lane: 'shared', the modules using the shared "
              "local_cluster; 'own', every other test (each starts its cluster, if any). "
-             "`make test` runs the two lanes at once, in two pytest processes.")
+             "`make test RAY_LANES=2` runs the two lanes at once, in two pytest processes.")
 
 
 def pytest_collection_modifyitems(config, items):
