@@ -122,7 +122,7 @@ demo: $(DSSTAMP)
 # has no idle CPU (measured with RAYLASTIC_TEST_PROFILE, 2026-11-27), so they ran on the
 # Ray workers' share; after it, the Ray tests leave ~30% of it idle (waits on failure
 # detection, paced steps, starting nodes), which they can take instead (started with the
-# two lanes, one of their torchrun tests timed out, 6371072). The ZeRO
+# two lanes, two of them ran out of time, 6371072). The ZeRO
 # integration tests, near the end, wait for DeepSpeed's install
 # (RAYLASTIC_TEST_DEEPSPEED_RC, see tests/conftest.py). Each background job writes
 # .cache/<job>.log and .rc; `make test` shows them after the integration tests and fails at

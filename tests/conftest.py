@@ -30,9 +30,11 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     lane = config.getoption("--ray-lane")
     if lane is not None:
-        keep = [item for item in items if _lane(item) == lane]
-        if len(keep) < len(items):
-            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        keep, other = [], []
+        for item in items:
+            (keep if _lane(item) == lane else other).append(item)
+        if other:
+            config.hook.pytest_deselected(items=other)
             items[:] = keep
     # The modules sharing ``local_cluster`` run one after another, after the others (each
     # keeps its order): a module that starts no cluster or its own in between made the

@@ -70,7 +70,7 @@ class ServerProcess:
     log_name = "server.log"
     server_name = "server"
     probe_interval_s = 0.2
-    startup_timeout_s = 30.0  # the harnesses' own default is STARTUP_TIMEOUT_S
+    startup_timeout_s = STARTUP_TIMEOUT_S
 
     def __init__(self, workdir: str, delete_workdir: bool) -> None:
         self._workdir = workdir
