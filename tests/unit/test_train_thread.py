@@ -2,6 +2,7 @@
 for the torch crash that a new thread per attempt met), one attempt at a time, bounded
 joins, and grad mode back on for each attempt."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -104,10 +105,10 @@ def test_fully_shard_again_in_the_train_thread_on_a_cuda_build_that_sees_no_gpu(
 # say the attempt's rank. Before the train thread cleared DTensor's caches, the process
 # that became rank 1 kept rank 2's mesh and rows (see the module's docstring).
 RANK_CHANGE = textwrap.dedent("""
-    import tempfile
+    import json, sys, tempfile
     import torch, torch.distributed as dist, torch.multiprocessing as mp
 
-    def proc(p, d):
+    def proc(p, d, out):
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         from raylastic._internal.worker_group.train_thread import TrainThread
@@ -127,20 +128,22 @@ RANK_CHANGE = textwrap.dedent("""
         for i, ranks in enumerate([(0, 1, 2), (0, 2, 1)]):
             t.submit(lambda i=i, r=ranks[p]: attempt(i, r))
             assert t.join(60)
-        print("proc", p, seen, flush=True)
+        with open(f"{out}/proc{p}.json", "w") as f:  # a file each: prints on one pipe interleave
+            json.dump(seen, f)
 
     if __name__ == "__main__":
-        mp.spawn(proc, args=(tempfile.mkdtemp(),), nprocs=3)
+        mp.spawn(proc, args=(tempfile.mkdtemp(), sys.argv[1]), nprocs=3)
 """)
 
 
 def test_an_fsdp2_attempt_whose_rank_changed_shards_by_its_new_rank(tmp_path):
     script = tmp_path / "rank_change.py"  # a file: spawned processes import their target from it
     script.write_text(RANK_CHANGE)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                         timeout=150)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("proc "))
-    assert len(lines) == 3, out.stdout[-2000:] + out.stderr[-2000:]
-    for line in lines:
-        for attempt, rank, coordinate, row in eval(line.split(" ", 2)[2]):  # noqa: S307 - our own print
-            assert (coordinate, row) == (rank, 4 * rank), f"attempt {attempt}: {line}"
+    for p in range(3):
+        seen = json.loads((tmp_path / f"proc{p}.json").read_text())
+        assert len(seen) == 2, f"proc {p}: {seen}"
+        for attempt, rank, coordinate, row in seen:
+            assert (coordinate, row) == (rank, 4 * rank), f"proc {p}, attempt {attempt}: {seen}"
