@@ -9,7 +9,8 @@ Every rank appends what it does to ``<log_dir>/r<rank>-e<membership epoch>.jsonl
 nodes of a ``LocalCluster`` share this machine's disk): ``start`` (node id, pid),
 ``restored`` (the step ``get_checkpoint()`` gave and whether every shard in it was whole),
 ``reported`` after each ``report()`` returns (so a test knows an upload is now in flight),
-and ``finished``. Tests read these lines to act at a point of the run and to check what a
+and ``finished``. With ``freeze`` (see :func:`sharded_checkpoints`) one rank also writes
+``gate`` before a checkpoint's report and ``frozen`` after it. Tests read these lines to act at a point of the run and to check what a
 resumed run loaded.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import tempfile
 import time
@@ -87,6 +89,12 @@ def sharded_checkpoints(config: Dict[str, Any]) -> Dict[str, Any]:
     config: total_steps (20), checkpoint_every (5), step_sleep_s (0), log_dir (required),
     shard_bytes ({rank: bytes}; ranks not named write ``default_shard_bytes``, 64 KiB).
     A restored checkpoint with a damaged shard raises (the test then fails loudly).
+
+    freeze ({"rank": r, "from_step": s, "dir": d}): in the first membership epoch, rank r
+    waits before each checkpoint's report from step s on until the test writes
+    ``<d>/go-<step>`` (120 s at most; the ranks are in lock-step, so the run waits), then
+    reports and stops its own process (SIGSTOP) at once: its background upload is in
+    flight, frozen, whatever the machine's load, until the test sends SIGCONT or kills it.
     """
     import torch
     import torch.distributed as dist
@@ -120,6 +128,21 @@ def sharded_checkpoints(config: Dict[str, Any]) -> Dict[str, Any]:
         if loaded["problems"]:
             raise RuntimeError(f"restored a damaged checkpoint {ckpt.path}: {loaded['problems']}")
         start = loaded["step"]
+    freeze = config.get("freeze") or {}
+    frozen_here = bool(freeze) and rank == int(freeze["rank"]) and epoch == 1
+
+    def gate(step: int) -> bool:
+        if not (frozen_here and step >= int(freeze["from_step"])):
+            return False
+        emit("gate", index=step)
+        go = os.path.join(freeze["dir"], f"go-{step}")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(go):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the test never wrote {go}")
+            time.sleep(0.01)
+        return True
+
     acc = torch.zeros(1)
     for step in range(start + 1, total + 1):
         t = torch.ones(1)
@@ -130,6 +153,7 @@ def sharded_checkpoints(config: Dict[str, Any]) -> Dict[str, Any]:
             time.sleep(sleep_s)
         metrics = {"step": step, "world_size": world, "epoch_id": epoch}
         if step % every == 0 or step == total:
+            stop_after = gate(step)
             with tempfile.TemporaryDirectory() as d:
                 write_shard(os.path.join(d, shard_name(rank)), step, rank, payload)
                 if rank == 0:
@@ -137,6 +161,9 @@ def sharded_checkpoints(config: Dict[str, Any]) -> Dict[str, Any]:
                         json.dump({"step": step, "world_size": world}, fh)
                 raylastic.report(metrics, checkpoint=raylastic.Checkpoint.from_directory(d))
             emit("reported", index=step, checkpoint=True)
+            if stop_after:
+                emit("frozen", index=step)
+                os.kill(os.getpid(), signal.SIGSTOP)
         else:
             raylastic.report(metrics)
             emit("reported", index=step, checkpoint=False)

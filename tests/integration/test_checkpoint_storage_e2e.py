@@ -238,6 +238,12 @@ class CommitMonitor(threading.Thread):
         self.events.close()
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP): the state field of /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
 def _log(log_dir: str, kind: str | None = None, **match) -> list[dict]:
     return [r for r in read_log(log_dir)
             if (kind is None or r["kind"] == kind) and all(r.get(k) == v for k, v in match.items())]
@@ -248,18 +254,21 @@ def _log(log_dir: str, kind: str | None = None, **match) -> list[dict]:
 def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
         clusters, servers, tmp_path):
     cluster = clusters.get()
-    # 2 s between checkpoints: an upload must finish (and its checkpoint commit) before the
-    # next one, or the test never finds "previous committed, this one in flight". On a box
-    # busy beside the tests a 48 MB upload took ~3 s, every report waited on the previous
-    # upload, and no checkpoint of 12 qualified; 24 MB still takes long enough to catch.
-    # 8 checkpoints to try (20..90): with 4 (total 60) a clean-clone run on a slow VM caught
-    # none before the run ended (2026-11-27, 786e182).
-    run, every, total = "killed-upload", 10, 100
+    # 2 s between checkpoints, and the test lets rank 1 report one only once the one before
+    # is committed: "previous committed, this one in flight" at the first gate, up to 3 gates.
+    run, every, total = "killed-upload", 10, 50
     uri = servers.s3.uri(f"e2e-{uuid.uuid4().hex[:8]}")
     log_dir = str(tmp_path / "log")
     os.makedirs(log_dir)
+    gate_dir = tmp_path / "gate"
+    gate_dir.mkdir()
+    # Rank 1 waits at each checkpoint from step 20 on until the test lets it go, then reports
+    # and stops itself (SIGSTOP) with its upload just started: the test no longer races an
+    # upload against its own polling. Racing it, a clean clone on a busy machine caught no
+    # upload in flight before the run's 100 steps ended (2026-11-28, 6371072).
     cfg = {"total_steps": total, "checkpoint_every": every, "step_sleep_s": 0.2, "log_dir": log_dir,
-           "shard_bytes": {1: 24 * MB}}  # rank 1's upload takes a while; rank 0's is small
+           "shard_bytes": {1: 24 * MB},  # rank 1's upload takes a while; rank 0's is small
+           "freeze": {"rank": 1, "from_step": 2 * every, "dir": str(gate_dir)}}
     trainer = _trainer(cfg, _run_config(run, uri, failure_config=FailureConfig(max_failures=0),
                                         checkpoint_config=CheckpointConfig(num_to_keep=2)))
     storage = Storage(uri)
@@ -270,35 +279,37 @@ def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
     th = FitThread(trainer)
     th.start()
 
-    # Freeze rank 1 right after its report(checkpoint) returned, i.e. while its background
-    # upload runs; keep it frozen only if storage confirms the upload is still in flight (its
-    # shard absent, no manifest) and the checkpoint before it is committed. Otherwise let it
-    # go and try the next checkpoint.
+    def logged(kind: str, index: int) -> bool:
+        assert th.is_alive(), f"fit() ended early: {th.error or th.result}"
+        return bool(_log(log_dir, kind, rank=1, epoch=1, index=index))
+
+    # At each gate: once the checkpoint before is committed, let rank 1 report this one; it
+    # stops itself right after. Keep it stopped only if storage confirms its upload is in
+    # flight (its shard absent, no manifest) and the checkpoint before it is committed;
+    # otherwise let it go and take the next gate.
     frozen = None  # never leave a stopped worker behind if an assertion fails
     try:
-        victim, seen, tries = None, set(), 0
-        deadline = time.monotonic() + 150
-        while victim is None:
-            assert time.monotonic() < deadline, f"no in-flight upload caught; log: {read_log(log_dir)[-5:]}"
-            assert th.is_alive(), f"fit() ended early: {th.error or th.result}"
-            for rec in _log(log_dir, "reported", rank=1, epoch=1, checkpoint=True):
-                if rec["index"] in seen or rec["index"] < 2 * every:
-                    continue
-                seen.add(rec["index"])
-                tries += 1
-                start = _log(log_dir, "start", rank=1, epoch=1)[0]
-                os.kill(start["pid"], signal.SIGSTOP)
-                frozen = start["pid"]
-                listing = storage.list_dir(f"{ckpts}/{_dir(rec['index'], 1)}")
-                previous = _dir(rec["index"] - every, 1)
-                if shard_name(1) not in listing and MANIFEST not in listing \
-                        and storage.exists(f"{ckpts}/{previous}/{MANIFEST}"):
-                    victim = {"index": rec["index"], "pid": start["pid"], "node_id": start["node_id"],
-                              "listing": listing, "previous": previous}
-                    break
-                os.kill(start["pid"], signal.SIGCONT)
-                frozen = None
-            time.sleep(0.005)
+        victim, tries = None, 0
+        for index in range(2 * every, total, every):
+            previous = _dir(index - every, 1)
+            wait_until(lambda i=index: logged("gate", i), 120, what=f"rank 1 at checkpoint {index}'s gate")
+            wait_until(lambda p=previous: storage.exists(f"{ckpts}/{p}/{MANIFEST}"), 120,
+                       what=f"checkpoint {previous} committed")
+            (gate_dir / f"go-{index}").touch()
+            wait_until(lambda i=index: logged("frozen", i), 60, what=f"rank 1 frozen after {index}")
+            start = _log(log_dir, "start", rank=1, epoch=1)[0]
+            frozen = start["pid"]
+            wait_until(lambda pid=frozen: _stopped(pid), 30, what=f"rank 1 (pid {frozen}) stopped")
+            tries += 1
+            listing = storage.list_dir(f"{ckpts}/{_dir(index, 1)}")
+            if shard_name(1) not in listing and MANIFEST not in listing \
+                    and storage.exists(f"{ckpts}/{previous}/{MANIFEST}"):
+                victim = {"index": index, "pid": frozen, "node_id": start["node_id"],
+                          "listing": listing, "previous": previous}
+                break
+            os.kill(frozen, signal.SIGCONT)
+            frozen = None
+        assert victim is not None, f"no in-flight upload caught in {tries} tries; log: {read_log(log_dir)[-5:]}"
 
         # The node dies with the upload in flight: raylet first, then the (frozen) worker.
         cluster.remove_node(cluster.node_by_id(victim["node_id"]))
