@@ -170,10 +170,12 @@ class ShardedState(CopyWaiter):
         exchanging = self._exchange is not None and bool(incoming or self._exchange.receivers())
         if exchanging:
             snap.pins += 1  # not recycled while its buffers are on the wire (pinned before it is complete)
+            snap.incoming_nbytes = nbytes(incoming)
 
         def own_done(error: Optional[BaseException]) -> None:
             if error is not None and exchanging:
                 snap.pins -= 1
+                snap.incoming_nbytes = 0
             on_own_copied(error)
             if error is not None or not exchanging:
                 snap.done.set()
@@ -225,6 +227,7 @@ class ShardedState(CopyWaiter):
                            snap.index, e, self.rank)
         finally:
             snap.pins -= 1
+            snap.incoming_nbytes = 0  # merged (counted in nbytes) or dropped
             snap.done.set()
 
     def _merge(self, store: Any, snap: Any, leaves: Dict[int, torch.Tensor]) -> None:
@@ -232,6 +235,7 @@ class ShardedState(CopyWaiter):
             snap.tensors = map_leaves(snap.tensors, lambda j, t: leaves[j] if t.is_meta and j in leaves else t)
             snap.holding = union(snap.holding, (snap.holding[0], self.holds))
             snap.nbytes = nbytes(snap.tensors)
+            snap.incoming_nbytes = 0
 
     def writer(self, snap: Any) -> Optional[Callable[[str], None]]:
         """Writes this rank's own shard of ``snap`` (rank 0: and the plain state)."""
