@@ -263,6 +263,8 @@ def main() -> Optional[int]:
     ap.add_argument("--step-sleep-s", type=float, default=None,
                     help="sleep per optimizer step in the script (both systems), so the kill lands mid-run; "
                          "default 0 (quick: 0.3)")
+    ap.add_argument("--snapshot-every", type=int, default=1,
+                    help="raylastic: keep every N-th step's state in memory (prepare_trainer(snapshot_every=N))")
     ap.add_argument("--out", default=None, help="default benchmarks/results/integrations.json (quick: *_quick.json)")
     ap.add_argument("--table", metavar="JSON", help="print the markdown table of a results file and exit")
     args = ap.parse_args()
@@ -302,7 +304,7 @@ def main() -> Optional[int]:
         "models": models,
         "schedule": {"workers": "min 2, max 3", "max_steps": max_steps, "step_sleep_s": args.step_sleep_s, "kill_at_step": args.kill_at,
                      "ray_train_checkpoint_every": args.checkpoint_every,
-                     "raylastic_persist_every": args.checkpoint_every,
+                     "raylastic_persist_every": args.checkpoint_every, "raylastic_snapshot_every": args.snapshot_every,
                      "event": "one worker node removed without notice when rank 0 logged kill_at_step"},
         "cluster": "raylastic.testing.cluster.LocalCluster: head (0 CPU) + 3 x 1-CPU worker nodes on one machine",
         "failure_detection": FAST_FAILURE_DETECTION,
@@ -321,7 +323,8 @@ def main() -> Optional[int]:
             key = f"{system}/{fw}"
             with fresh_cluster() as (tmp, log_dir, cluster):
                 cfg = dict(models[fw], log_dir=log_dir, work_dir=tmp, max_steps=max_steps,
-                           checkpoint_every=args.checkpoint_every, step_sleep_s=args.step_sleep_s)
+                           checkpoint_every=args.checkpoint_every, step_sleep_s=args.step_sleep_s,
+                           snapshot_every=args.snapshot_every)
                 fit = make_fit(system, fw, cfg, os.path.join(tmp, "storage"), f"integrations_{system}_{fw}",
                                args.checkpoint_every)
                 print(f"== {key}", flush=True)

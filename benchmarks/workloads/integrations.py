@@ -136,7 +136,7 @@ def hf_bench(config: Dict[str, Any]) -> None:
 
         args = TrainingArguments(save_strategy="no", **common)
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[log])
-        trainer = prepare_trainer(trainer, global_batch_size=gb)
+        trainer = prepare_trainer(trainer, global_batch_size=gb, snapshot_every=int(config.get("snapshot_every", 1)))
         log.trainer = trainer
         trainer.train()
         return
@@ -227,7 +227,7 @@ def lightning_bench(config: Dict[str, Any]) -> None:
         from raylastic.integrations.lightning import prepare_trainer
 
         trainer = pl.Trainer(devices=1, callbacks=[StepLog()], **quiet)
-        trainer = prepare_trainer(trainer, global_batch_size=gb)
+        trainer = prepare_trainer(trainer, global_batch_size=gb, snapshot_every=int(config.get("snapshot_every", 1)))
         trainer.fit(module, train_dataloaders=loader)
         return
     from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer

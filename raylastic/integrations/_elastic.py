@@ -10,9 +10,25 @@ exists there, so a restart from the last reported checkpoint would lose it).
 from __future__ import annotations
 
 import logging
-from typing import Union
+from typing import Any, Dict, Union
 
 from raylastic import session as _session
+from raylastic._internal.state_values import check_state_args
+from raylastic.errors import ConfigError
+
+# ``ElasticState``'s keyword arguments a prepared trainer passes on, with their defaults.
+STATE_KWARGS: Dict[str, Any] = {"persist_every": None, "snapshot_every": 1, "async_snapshot": True,
+                                "striped": True}
+
+
+def check_state_kwargs(state_kwargs: Dict[str, Any]) -> None:
+    """``prepare_trainer(**state_kwargs)``, checked where it is called, not at the first
+    step inside every worker: a name ``ElasticState`` does not take, or a bad value."""
+    unknown = sorted(set(state_kwargs) - set(STATE_KWARGS))
+    if unknown:
+        raise ConfigError(f"prepare_trainer({unknown[0]}=...) is not an ElasticState argument a "
+                          f"prepared trainer passes on. Fix: use one of {', '.join(STATE_KWARGS)}, or none.")
+    check_state_args(**{**STATE_KWARGS, **state_kwargs})
 
 
 def restoring_from_memory() -> bool:

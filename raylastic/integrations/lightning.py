@@ -54,7 +54,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from raylastic import session as _session
 from raylastic.data import ElasticDataLoader
-from raylastic.integrations._elastic import refuse_or_fall_back
+from raylastic.integrations._elastic import check_state_kwargs, refuse_or_fall_back
 from raylastic.integrations._lightning_loop import accumulation, resume_point, set_loop_counters
 
 _log = logging.getLogger(__name__)
@@ -387,6 +387,7 @@ def prepare_trainer(trainer: "pl.Trainer", global_batch_size: Optional[int] = No
             ``snapshot_every``, ``async_snapshot``, ``striped``).
     """
     _session._get_session()  # raises outside a raylastic train function
+    check_state_kwargs(state_kwargs)
     old = trainer.strategy
     if not isinstance(old, (DDPStrategy, SingleDeviceStrategy)) or type(old).__name__ not in (
             "DDPStrategy", "SingleDeviceStrategy", "RayDDPStrategy", "ElasticDDPStrategy"):

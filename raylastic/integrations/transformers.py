@@ -56,7 +56,7 @@ from transformers import Trainer, TrainerCallback
 
 from raylastic import session as _session
 from raylastic.data import ElasticDataLoader
-from raylastic.integrations._elastic import refuse_or_fall_back
+from raylastic.integrations._elastic import check_state_kwargs, refuse_or_fall_back
 from raylastic.state import STATE_FILE, STORE, ElasticState
 
 _log = logging.getLogger(__name__)
@@ -182,8 +182,10 @@ class _RestoreFirst(TrainerCallback):
 class _ElasticCallback(TrainerCallback):
     """Restores before the first step and commits at ``on_step_end`` (see the module docstring)."""
 
-    def __init__(self, trainer: Trainer, batches: _TrainBatches, global_batch_size: int):
+    def __init__(self, trainer: Trainer, batches: _TrainBatches, global_batch_size: int,
+                 state_kwargs: dict[str, Any]):
         self.trainer, self.batches, self.global_batch_size = trainer, batches, global_batch_size
+        self.state_kwargs = state_kwargs
         self.state: ElasticState | None = None
         self.report_to_ray = False  # a RayTrainReportCallback was dropped: commit its metrics
         self._loss_seen, self._last_logged = 0.0, -1
@@ -192,7 +194,8 @@ class _ElasticCallback(TrainerCallback):
         tr = self.trainer
         optimizer = getattr(tr.optimizer, "optimizer", tr.optimizer)  # Accelerate's wrapper holds the torch one
         self.state = ElasticState(model=tr.accelerator.unwrap_model(tr.model), optimizer=optimizer,
-                                  lr_scheduler=tr.lr_scheduler, loader=self.batches.loader, step=0)
+                                  lr_scheduler=tr.lr_scheduler, loader=self.batches.loader, step=0,
+                                  **self.state_kwargs)
         if self.state.step != self.batches.steps_done():
             raise RuntimeError(f"restored step ({self.state.step}) != the data position's "
                                f"({self.batches.steps_done()}): the snapshot is inconsistent")
@@ -267,7 +270,7 @@ def _plan(trainer: Trainer, global_batch_size: int | None) -> tuple[Any, int, in
 
 
 def prepare_trainer(trainer: Trainer, global_batch_size: int | None = None, *,
-                    fallback_to_restart: bool = False) -> Trainer:
+                    fallback_to_restart: bool = False, **state_kwargs: Any) -> Trainer:
     """Make ``trainer`` elastic under raylastic; call it last, right before ``trainer.train()``.
 
     Args:
@@ -286,6 +289,9 @@ def prepare_trainer(trainer: Trainer, global_batch_size: int | None = None, *,
             resize restarts it from its last reported checkpoint, as under Ray Train)
             instead of raising. Ray's ``prepare_trainer``, routed here under raylastic, sets
             it, so Ray Train scripts that worked before keep working.
+        state_kwargs: passed to :class:`~raylastic.ElasticState` (``persist_every``,
+            ``snapshot_every``, ``async_snapshot``, ``striped``), as in the Lightning
+            integration; checked here, before training starts.
 
     Call it after every other callback is added: the commit (where a resize unwinds the
     train function) must be the last ``on_step_end`` so the others see each step; the
@@ -297,6 +303,7 @@ def prepare_trainer(trainer: Trainer, global_batch_size: int | None = None, *,
     """
     if not isinstance(trainer, Trainer):
         raise ValueError(f"trainer ({type(trainer).__name__}) must be a transformers.Trainer")
+    check_state_kwargs(state_kwargs)
     try:
         plan = _plan(trainer, global_batch_size)
     except ValueError as e:
@@ -315,7 +322,7 @@ def prepare_trainer(trainer: Trainer, global_batch_size: int | None = None, *,
     batches = _TrainBatches(loader, max_steps, steps_per_epoch)
     # HF iterates it like a dataloader without a length (then it trusts max_steps)
     trainer.get_train_dataloader = lambda: batches  # type: ignore[method-assign,assignment,return-value]
-    callback = _ElasticCallback(trainer, batches, global_batch_size)
+    callback = _ElasticCallback(trainer, batches, global_batch_size, state_kwargs)
     for cb in list(trainer.callback_handler.callbacks):
         if type(cb).__name__ == "RayTrainReportCallback":
             trainer.callback_handler.remove_callback(cb)

@@ -111,6 +111,25 @@ def test_refusals_name_the_field(tmp_path):
     session_for("refuse")
     with pytest.raises(ValueError, match=r"global_batch_size \(10\) is not a multiple"):
         prepare_trainer(Trainer(model=Net(), args=_args(tmp_path), train_dataset=Samples()), global_batch_size=10)
+    with pytest.raises(ValueError, match=r"prepare_trainer\(snapshot_evry=...\) is not an ElasticState argument"):
+        prepare_trainer(Trainer(model=Net(), args=_args(tmp_path), train_dataset=Samples()), snapshot_evry=2)
+    with pytest.raises(ValueError, match=r"ElasticState\(snapshot_every=0\) must be an int >= 1"):
+        prepare_trainer(Trainer(model=Net(), args=_args(tmp_path), train_dataset=Samples()), snapshot_every=0)
+
+
+def test_elastic_state_arguments_are_passed_on(tmp_path):
+    """``prepare_trainer(**state_kwargs)`` reaches the ``ElasticState``, as in the Lightning
+    integration: with ``snapshot_every=3`` only every third step's state is kept in memory."""
+    session_for("hf-every-3")
+    trainer = prepare_trainer(Trainer(model=Net(), args=_args(tmp_path), train_dataset=Samples()),
+                              global_batch_size=8, snapshot_every=3)
+    try:
+        trainer.train()
+    finally:
+        STORE.wait_pending()
+    assert trainer.state.global_step == 10
+    kept = STORE.complete_indices("hf-every-3")
+    assert kept and all(i % 3 == 0 for i in kept), kept
 
 
 def _train(tmp_path, sess, seed=0, global_batch_size=None, callbacks=None):

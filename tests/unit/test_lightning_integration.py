@@ -269,6 +269,10 @@ def test_refusals_name_the_field(group):
                                    callbacks=[GradientAccumulationScheduler({0: 2})]))
     with pytest.raises(ValueError, match=r"global_batch_size \(7\) is not a multiple of world_size \(1\)"):
         _attempt(0, global_batch_size=7)
+    with pytest.raises(ValueError, match=r"prepare_trainer\(persist_evry=...\) is not an ElasticState argument"):
+        prepare_trainer(pl.Trainer(accelerator="cpu", devices=1, logger=False), persist_evry=2)
+    with pytest.raises(ValueError, match=r"ElasticState\(async_snapshot=1\) must be True or False"):
+        prepare_trainer(pl.Trainer(accelerator="cpu", devices=1, logger=False), async_snapshot=1)
 
 
 def test_ray_lightning_prepare_trainer_is_routed_to_raylastic():
