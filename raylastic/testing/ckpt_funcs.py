@@ -10,8 +10,8 @@ nodes of a ``LocalCluster`` share this machine's disk): ``start`` (node id, pid)
 ``restored`` (the step ``get_checkpoint()`` gave and whether every shard in it was whole),
 ``reported`` after each ``report()`` returns (so a test knows an upload is now in flight),
 and ``finished``. With ``freeze`` (see :func:`sharded_checkpoints`) one rank also writes
-``gate`` before a checkpoint's report and ``frozen`` after it. Tests read these lines to act at a point of the run and to check what a
-resumed run loaded.
+``gate`` before a checkpoint's report and ``frozen`` after it. Tests read these lines to
+act at a point of the run and to check what a resumed run loaded.
 """
 
 from __future__ import annotations
