@@ -9,26 +9,29 @@ exists there, so a restart from the last reported checkpoint would lose it).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Dict, Union
 
 from raylastic import session as _session
 from raylastic._internal.state_values import check_state_args
 from raylastic.errors import ConfigError
+from raylastic.state import ElasticState
 
-# ``ElasticState``'s keyword arguments a prepared trainer passes on, with their defaults.
-STATE_KWARGS: Dict[str, Any] = {"persist_every": None, "snapshot_every": 1, "async_snapshot": True,
-                                "striped": True}
+# ``ElasticState``'s own keyword arguments that a prepared trainer passes on.
+STATE_KWARGS = ("persist_every", "snapshot_every", "async_snapshot", "striped")
 
 
 def check_state_kwargs(state_kwargs: Dict[str, Any]) -> None:
     """``prepare_trainer(**state_kwargs)``, checked where it is called, not at the first
-    step inside every worker: a name ``ElasticState`` does not take, or a bad value."""
+    step inside every worker: a name ``ElasticState`` does not take, or a bad value (the
+    others at ``ElasticState``'s own defaults)."""
     unknown = sorted(set(state_kwargs) - set(STATE_KWARGS))
     if unknown:
         raise ConfigError(f"prepare_trainer({unknown[0]}=...) is not an ElasticState argument a "
                           f"prepared trainer passes on. Fix: use one of {', '.join(STATE_KWARGS)}, or none.")
-    check_state_args(**{**STATE_KWARGS, **state_kwargs})
+    defaults = inspect.signature(ElasticState.__init__).parameters
+    check_state_args(**{name: state_kwargs.get(name, defaults[name].default) for name in STATE_KWARGS})
 
 
 def restoring_from_memory() -> bool:

@@ -28,6 +28,7 @@ import uuid
 import zlib
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import ray
 
@@ -238,12 +239,6 @@ class CommitMonitor(threading.Thread):
         self.events.close()
 
 
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP): the state field of /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-
-
 def _log(log_dir: str, kind: str | None = None, **match) -> list[dict]:
     return [r for r in read_log(log_dir)
             if (kind is None or r["kind"] == kind) and all(r.get(k) == v for k, v in match.items())]
@@ -299,7 +294,8 @@ def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
             wait_until(lambda i=index: logged("frozen", i), 60, what=f"rank 1 frozen after {index}")
             start = _log(log_dir, "start", rank=1, epoch=1)[0]
             frozen = start["pid"]
-            wait_until(lambda pid=frozen: _stopped(pid), 30, what=f"rank 1 (pid {frozen}) stopped")
+            wait_until(lambda pid=frozen: psutil.Process(pid).status() == psutil.STATUS_STOPPED, 30,
+                       what=f"rank 1 (pid {frozen}) stopped")
             tries += 1
             listing = storage.list_dir(f"{ckpts}/{_dir(index, 1)}")
             if shard_name(1) not in listing and MANIFEST not in listing \
