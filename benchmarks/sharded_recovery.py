@@ -338,6 +338,9 @@ def main() -> Optional[int]:
     ap.add_argument("--cpus-per-worker", type=int, default=1,
                     help="CPUs per worker node and worker (its torch threads); default 1")
     ap.add_argument("--timeout-s", type=float, default=240)
+    ap.add_argument("--lean", action="store_true",
+                    help="raylastic with ElasticState(lean_snapshots=True): one snapshot kept, 2x the own shard "
+                         "(3x during a commit's peer copy, which the next optimizer step waits for)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "sharded_recovery.json"))
     ap.add_argument("--table", metavar="JSON", help="print the README table of a results file and exit")
     args = ap.parse_args()
@@ -374,6 +377,7 @@ def main() -> Optional[int]:
         "schedule": {"workers": "min 2, max 3", "kill_at_step": kill_at, "steps_between_events": between,
                      "notice_s": args.notice_s, "ray_train_checkpoint_every": args.checkpoint_every,
                      "raylastic_persist_every": args.checkpoint_every, "raylastic_snapshot_every": 1,
+                     "raylastic_lean_snapshots": args.lean,
                      "events": ["node removed without notice", "node added", "node drained with notice, "
                                 "removed at the deadline"]},
         "cluster": f"ray.cluster_utils.Cluster: head (0 CPU) + 3 x {args.cpus_per_worker}-CPU worker nodes "
@@ -396,7 +400,8 @@ def main() -> Optional[int]:
             for system in systems:
                 key = f"{system}/{fw}"
                 with fresh_cluster(cpus_per_node=args.cpus_per_worker) as (tmp, log_dir, cluster):
-                    cfg = dict(model, zero_stage=3, log_dir=log_dir, stop_path=os.path.join(tmp, "stop"))
+                    cfg = dict(model, zero_stage=3, log_dir=log_dir, stop_path=os.path.join(tmp, "stop"),
+                               lean_snapshots=args.lean)
                     name = f"sharded_{system}_{fw}_{rep}"
                     fit = make_fit(system, "fsdp2" if fw == "fsdp2" else "zero3", cfg,
                                    os.path.join(tmp, "storage"), name, args.checkpoint_every,

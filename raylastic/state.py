@@ -35,7 +35,9 @@ step's forward and backward run; the optimizer's next ``step()`` waits for it. C
 between ``commit()`` and the next ``optimizer.step()``, do not change parameters in place
 other than through the optimizer (or pass ``async_snapshot=False``). Memory: two
 snapshots per worker (2/W of the state each when striped), more while one is persisted
-(``docs/recovery.md``). How: ``raylastic/_internal/snapshots/``.
+(``docs/recovery.md``); sharded: up to 4x the rank's own shard, or with
+``lean_snapshots=True`` one snapshot, 2x (3x during a commit's peer copy, which the next
+``optimizer.step()`` then waits for; ``docs/sharded.md``). How: ``raylastic/_internal/snapshots/``.
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ class ElasticState:
                  optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler: Any = None,
                  loader: Any = None, persist_every: Optional[int] = None, snapshot_every: int = 1,
                  async_snapshot: bool = True, striped: bool = True, engine: Any = None,
-                 stateful: Optional[Mapping[str, Any]] = None, **attrs: Any):
+                 stateful: Optional[Mapping[str, Any]] = None, lean_snapshots: bool = False, **attrs: Any):
         check_state_args(persist_every=persist_every, snapshot_every=snapshot_every,
-                         async_snapshot=async_snapshot, striped=striped)
+                         async_snapshot=async_snapshot, striped=striped, lean_snapshots=lean_snapshots)
         model = engine_module(engine, model, optimizer)
         extra = check_stateful(stateful)
         registry = Registry(attrs)  # (checks the attributes before a session is looked up)
@@ -82,7 +84,7 @@ class ElasticState:
         object.__setattr__(self, "restored_from", "none")
         object.__setattr__(self, "_sess", sess)
         object.__setattr__(self, "_half", tensor_half(sess, registry, model, optimizer, engine,
-                                                      async_snapshot, striped))
+                                                      async_snapshot, striped, lean_snapshots))
         self._restore()
 
     # -- plain attributes ----------------------------------------------------------

@@ -152,7 +152,8 @@ def fsdp2_bench(config: Dict[str, Any]) -> None:
         import raylastic
 
         state = raylastic.ElasticState(model=model, optimizer=opt, step=0,
-                                       snapshot_every=int(config.get("snapshot_every", 1)))
+                                       snapshot_every=int(config.get("snapshot_every", 1)),
+                                       lean_snapshots=bool(config.get("lean_snapshots")))
         start = state.step
         loop.resumed(state.restored_from, start, load_s=time.perf_counter() - t_load)
     else:
@@ -248,7 +249,8 @@ def deepspeed_bench(config: Dict[str, Any]) -> None:
     if loop.mode == "raylastic":
         import raylastic
 
-        state = raylastic.ElasticState(engine=engine, step=0, snapshot_every=int(config.get("snapshot_every", 1)))
+        state = raylastic.ElasticState(engine=engine, step=0, snapshot_every=int(config.get("snapshot_every", 1)),
+                                       lean_snapshots=bool(config.get("lean_snapshots")))
         start = state.step
         loop.resumed(state.restored_from, start, load_s=time.perf_counter() - t_load)
     else:

@@ -41,7 +41,8 @@ _MAPPINGS = (dict, OrderedDict, Counter)
 _PLAIN = "plain Python values (None, bool, int, float, str, bytes), tensors, or lists, tuples, dicts and sets of them"
 
 
-def check_state_args(*, persist_every: Any, snapshot_every: Any, async_snapshot: Any, striped: Any) -> None:
+def check_state_args(*, persist_every: Any, snapshot_every: Any, async_snapshot: Any, striped: Any,
+                     lean_snapshots: Any = False) -> None:
     """``ElasticState``'s own keyword arguments (a bool is not a count)."""
     def bad(name: str, value: Any, want: str, fix: str) -> ConfigError:
         return ConfigError(f"ElasticState({name}={value!r}) must be {want}. Fix: {fix}.")
@@ -51,7 +52,7 @@ def check_state_args(*, persist_every: Any, snapshot_every: Any, async_snapshot:
     if persist_every is not None and (not is_int(persist_every) or persist_every < 1):
         raise bad("persist_every", persist_every, "an int >= 1 or None (CheckpointConfig.persist_every)",
                   "pass N to write every N-th snapshot to storage, or leave it out")
-    for name, value in (("async_snapshot", async_snapshot), ("striped", striped)):
+    for name, value in (("async_snapshot", async_snapshot), ("striped", striped), ("lean_snapshots", lean_snapshots)):
         if not isinstance(value, bool):
             raise bad(name, value, "True or False", f"pass {name}=True or {name}=False")
 

@@ -92,7 +92,8 @@ def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
     loader = ElasticDataLoader(_dataset(config), global_batch_size=int(config.get("global_batch", 48)),
                                micro_batch_size=int(config.get("micro_batch", 16)), shuffle=True, seed=seed)
     state = raylastic.ElasticState(model=model, optimizer=opt, loader=loader, step=0,
-                                   persist_every=config.get("persist_every"))
+                                   persist_every=config.get("persist_every"),
+                                   lean_snapshots=bool(config.get("lean_snapshots")))
     log = _log(config, ctx)
     epochs = int(config.get("epochs", 4))
     while loader.epoch < epochs:
@@ -148,7 +149,8 @@ def deepspeed_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
     engine, *_ = deepspeed.initialize(model=mlp(config), config=ds_config)
     seed = int(config.get("seed", 0))
     loader = ElasticDataLoader(_dataset(config), global_batch_size=gb, micro_batch_size=gb, shuffle=True, seed=seed)
-    state = raylastic.ElasticState(engine=engine, loader=loader, step=0, persist_every=config.get("persist_every"))
+    state = raylastic.ElasticState(engine=engine, loader=loader, step=0, persist_every=config.get("persist_every"),
+                                   lean_snapshots=bool(config.get("lean_snapshots")))
     log = _log(config, ctx)
     epochs = int(config.get("epochs", 4))
     while loader.epoch < epochs:
@@ -175,6 +177,7 @@ def _memory(state: Any) -> Dict[str, Any]:
     from raylastic._internal.snapshots.sharded.state import held_shard_bytes
     from raylastic._internal.snapshots.store import STORE
 
+    state._half.wait()  # the last commit's copy (lean: and its peer copy) is over
     return {"snapshot_bytes": state.snapshot_bytes(), "shard_bytes": state.shard_bytes(),
             "held_shards": [held_shard_bytes(s) for s in STORE.held()]}
 

@@ -107,7 +107,11 @@ def _elastic_run(local_cluster, run_dir, tmp_path, train_func, name, **cfg_extra
     print(f"{name}: max relative weight difference elastic vs fixed: {diff:.2e}")
     assert diff <= 1e-5
     mem = result.return_value  # rank 0's: its snapshots' host bytes against the shards they hold
-    assert 0 < mem["snapshot_bytes"] <= 4 * mem["shard_bytes"] or _kept_across_the_resize(mem), mem
+    if cfg_extra.get("lean_snapshots"):  # one snapshot, its own shard and the one it backs up
+        (held,) = mem["held_shards"]
+        assert len(held) == 2 and mem["snapshot_bytes"] == sum(held.values()) == mem["shard_bytes"] + held[2], mem
+    else:
+        assert 0 < mem["snapshot_bytes"] <= 4 * mem["shard_bytes"] or _kept_across_the_resize(mem), mem
     return result, events
 
 
@@ -124,6 +128,13 @@ def _kept_across_the_resize(mem) -> bool:
 def test_fsdp2_resizes_3_2_3_from_peer_memory_like_a_fixed_size_run(local_cluster, restore_nodes, run_dir,
                                                                    tmp_path):
     _elastic_run(local_cluster, run_dir, tmp_path, fsdp2_mlp, "fsdp2", trace_weights=True)
+
+
+def test_lean_fsdp2_snapshots_resize_3_2_3_from_peer_memory_in_2x_the_shard(local_cluster, restore_nodes, run_dir,
+                                                                          tmp_path):
+    """``lean_snapshots=True``: one snapshot kept (2x the own shard between commits), the
+    older one dropped only once every peer copy of the newer landed; the same weights."""
+    _elastic_run(local_cluster, run_dir, tmp_path, fsdp2_mlp, "fsdp2-lean", lean_snapshots=True)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -189,9 +189,11 @@ TABLE: Dict[type, Dict[str, Row]] = {
 STATE_ARGS = {"persist_every": Row(bad=(0, -1, True, 2.0, "10"), good=(None, 1, 10)),
               "snapshot_every": Row(bad=(0, True, 1.5, None), good=(1, 4)),
               "async_snapshot": Row(bad=("yes", 1, None), good=(True, False)),
-              "striped": Row(bad=("no", 0, None), good=(True, False))}
+              "striped": Row(bad=("no", 0, None), good=(True, False)),
+              "lean_snapshots": Row(bad=("yes", 1, None), good=(True, False))}
 STATE_OBJECTS = {"model", "optimizer", "lr_scheduler", "loader", "engine", "stateful", "attrs"}
-STATE_DEFAULTS = {"persist_every": None, "snapshot_every": 1, "async_snapshot": True, "striped": True}
+STATE_DEFAULTS = {"persist_every": None, "snapshot_every": 1, "async_snapshot": True, "striped": True,
+                  "lean_snapshots": False}
 
 _RAY = {RayScalingConfig: "scaling", RayRunConfig: "run", RayFailureConfig: "run", RayCheckpointConfig: "run",
         TorchConfig: "torch"}

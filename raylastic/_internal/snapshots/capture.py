@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -305,13 +305,17 @@ def param_ptrs(model: Optional[torch.nn.Module]) -> Set[int]:
     return {p.data_ptr() for p in model.parameters()} if model is not None else set()
 
 
+class Waitable(Protocol):
+    def wait(self) -> None: ...
+
+
 class CopyWaiter:
     """The training thread's side of a deferred copy: the copy in flight, and the time
     spent blocked on copies. One base for ``StateCopier`` and ``ShardedState`` so that
     the optimizer's step pre-hook waits (and accounts the wait) the same way for both."""
 
     def __init__(self) -> None:
-        self._pending: Optional[PendingCopy] = None
+        self._pending: Optional[Waitable] = None  # a PendingCopy, or a lean commit
         self.blocked_s = 0.0  # time the training thread spent in copy() and wait(), in total
 
     def wait(self) -> None:

@@ -180,7 +180,7 @@ def engine_module(engine: Any, model: Any, optimizer: Any) -> Any:
 
 
 def tensor_half(sess: Any, registry: Registry, model: Any, optimizer: Any, engine: Any,
-                 async_snapshot: bool, striped: bool) -> Half:
+                 async_snapshot: bool, striped: bool, lean: bool = False) -> Half:
     """The sharded half (FSDP2 or DeepSpeed), or the replicated one over the registry's
     model and optimizer. Overlapping the copy with the next step needs a point where it
     must be over: the optimizer's next step(). Without an optimizer, copies are synchronous."""
@@ -193,13 +193,18 @@ def tensor_half(sess: Any, registry: Registry, model: Any, optimizer: Any, engin
         from raylastic._internal.snapshots.sharded.fsdp2 import FSDP2Adapter, uses_dtensors
         if not uses_dtensors(model):
             from raylastic._internal.snapshots.replicated import ReplicatedState
+            if lean:
+                raise ConfigError("ElasticState(lean_snapshots=True) is for sharded models (FSDP2 fully_shard, "
+                                  "DeepSpeed ZeRO through engine=); this model is replicated (DDP), whose "
+                                  "snapshots hold 2/W of the state each with striped=True. Fix: leave "
+                                  "lean_snapshots out, or shard the model")
             registry.add_tensors("model", model)
             registry.add_tensors("optimizer", optimizer)
             return ReplicatedState(registry.tensors, sess, striped=striped, overlap=async_snapshot)
         adapter = FSDP2Adapter(model, optimizer)
     from raylastic._internal.snapshots.sharded.state import ShardedState
-    return ShardedState(adapter, sess, overlap=bool(async_snapshot and optimizer is not None
-                                                    and hasattr(optimizer, "register_step_pre_hook")))
+    return ShardedState(adapter, sess, lean=lean, overlap=bool(async_snapshot and optimizer is not None
+                                                               and hasattr(optimizer, "register_step_pre_hook")))
 
 
 def rng_state() -> Dict[str, Any]:

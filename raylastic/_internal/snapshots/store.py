@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -35,6 +35,9 @@ class Snapshot:
     # held all the same, and uncounted they made 4x read as 3x (issue 23).
     incoming_nbytes: int = 0
     pins: int = 0  # a background writer is reading the tensors: do not recycle
+    # A lean sharded commit (``sharded/lean.py``) not over yet: makes the snapshot
+    # independent of the live state at once, for an attempt that ends before it is over.
+    settle: Optional[Callable[[], None]] = None
     # (nshards, shards) this copy holds (the rest are meta placeholders, see
     # ``placement``); WHOLE: a full copy.
     holding: Holding = WHOLE
@@ -73,6 +76,21 @@ class SnapshotStore:
             oldest.complete.clear()
             oldest.done.clear()
             return oldest
+
+    def take_older(self, run: str, index: int) -> Optional[Snapshot]:
+        """Take every snapshot older than ``index`` out of the store (a lean commit whose
+        peer copies all landed keeps one snapshot); returns the newest unpinned one, whose
+        buffers may be reused."""
+        with self._lock:
+            if self.run != run:
+                return None
+            older = [s for s in self._snaps if s.index < index]
+            self._snaps = [s for s in self._snaps if s.index >= index]
+        for s in reversed(older):
+            if not s.pins:
+                s.complete.clear()
+                return s
+        return None
 
     def complete_indices(self, run: str) -> List[int]:
         with self._lock:
@@ -131,6 +149,8 @@ class SnapshotStore:
             snaps = list(self._snaps)
         deadline = time.monotonic() + timeout_s
         for snap in snaps:
+            if own_only and snap.settle is not None:
+                snap.settle()  # a lean commit: its own shard out of the live state now
             while not (snap.done.is_set() or (own_only and snap.complete.is_set())):
                 if time.monotonic() >= deadline or snap.done.wait(0.005):
                     break

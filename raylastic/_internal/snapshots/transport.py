@@ -28,7 +28,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
-from typing import Any, Callable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,12 @@ class Transport:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on every rank (a one-integer all-reduce)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
 
     def send(self, t: torch.Tensor, dst: int, tag: int) -> Any:
         """Start sending host tensor ``t`` to rank ``dst``; returns the work to :meth:`wait` on."""
@@ -157,6 +163,49 @@ class PeerExchange:
                 if t.numel():
                     works.append(tr.recv(t, src, base + j))
         tr.wait(works)
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether every rank's peer copy of this snapshot ended well (the lean vote)."""
+        return self._transport.all_true(flag)
+
+    def exchange_all(self, own: Sequence[torch.Tensor], incoming: Mapping[int, Sequence[torch.Tensor]],
+                     index: int = 0, stage_bytes: int = 64 << 20) -> Tuple[bool, bool, Optional[BaseException]]:
+        """:meth:`exchange` for a lean commit, whose ``own`` tensors are the live state
+        (CUDA ones are staged through host memory, ``stage_bytes`` at a time). Every
+        receive is posted first, and every send and receive is waited for, failed or not:
+        once this returns, nothing reads ``own`` any more. Returns (all sends ended well,
+        all receives did, the first error)."""
+        tr = self._transport
+        base = (index % 4096) * 100_000
+        if len(own) >= 100_000 or any(len(b) >= 100_000 for b in incoming.values()):
+            raise ValueError("more than 100,000 sharded tensors per rank")
+        errors: List[BaseException] = []
+
+        def settle(works: List[Any]) -> bool:
+            ok = True
+            for w in works:
+                try:
+                    w.wait()
+                except Exception as e:  # noqa: BLE001 - the caller votes on it
+                    errors.append(e)
+                    ok = False
+            return ok
+
+        recvs = [tr.recv(t, src, base + j) for src, bufs in incoming.items() for j, t in enumerate(bufs) if t.numel()]
+        sent, batch, staged = True, [], 0
+        for dst in self.receivers():
+            for j, t in enumerate(own):
+                if not t.numel():
+                    continue
+                host = t.detach().to("cpu") if t.is_cuda else t.detach()
+                batch.append(tr.send(host, dst, base + j))
+                staged += host.numel() * host.element_size() if t.is_cuda else 0
+                if staged >= stage_bytes:  # the staged copies of CUDA pieces are freed per batch
+                    sent = settle(batch) and sent
+                    batch, staged = [], 0
+        sent = settle(batch) and sent
+        received = settle(recvs)
+        return sent, received, (errors[0] if errors else None)
 
 
 def collective_device() -> torch.device:

@@ -30,13 +30,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from raylastic._internal.snapshots.capture import CopyWaiter, PendingCopy, map_leaves, nbytes, plan_copy
+from raylastic._internal.snapshots.capture import COPY_THREAD, CopyWaiter, PendingCopy, map_leaves, nbytes, plan_copy
 from raylastic._internal.snapshots.persist import read_shards, shard_writer
 from raylastic._internal.snapshots.placement import held_shards, union
+from raylastic._internal.snapshots.sharded.lean import LeanCommit
 from raylastic._internal.snapshots.sharded.layout import ROOT, Chunk, dtype_of, layout_fingerprint, meta
 from raylastic._internal.snapshots.sharded.reshard import fill_from_files, reshard_from_memory
 from raylastic._internal.snapshots.store import STORE
 from raylastic._internal.snapshots.transport import PeerExchange, Transport
+from raylastic.session import StopTraining
 
 logger = logging.getLogger("raylastic")
 
@@ -47,7 +49,7 @@ class ShardedState(CopyWaiter):
 
     snapshot_on_stop = False  # every rank must take the same snapshots: their peer copies pair up
 
-    def __init__(self, adapter: Any, sess: Any, *, overlap: bool, store: Any = STORE):
+    def __init__(self, adapter: Any, sess: Any, *, overlap: bool, lean: bool = False, store: Any = STORE):
         super().__init__()  # the copy of the own shard the next optimizer step waits for
         spec = sess.spec
         rank, world, stripe = spec.rank, spec.world_size, tuple(spec.stripe)
@@ -56,6 +58,7 @@ class ShardedState(CopyWaiter):
         self._store = store
         self.rank, self.world = rank, world
         self.overlap = overlap
+        self.lean = lean  # one snapshot kept: ``lean.py``
         self._side: Optional[Transport] = None
         self._exchange: Optional[PeerExchange] = None
         self._layout: Optional[Dict[int, List[Chunk]]] = None
@@ -153,6 +156,8 @@ class ShardedState(CopyWaiter):
         live = self.adapter.live_chunks()
         layout = self._gather_layout([c for c, _t in live])
         old_tree = (old.tensors.get(ROOT, {}) if old is not None else {}) or {}
+        if self.lean:
+            return self._copy_lean(snap, live, layout, old_tree, t0)
         pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
         own_old = old_tree.get(self.rank) or [None] * len(live)
         own_old = own_old if len(own_old) == len(live) else [None] * len(live)
@@ -188,6 +193,44 @@ class ShardedState(CopyWaiter):
             return lambda: own_done(None)
         self._pending = PendingCopy(pending, own_done)
         return self._pending.start
+
+    def _copy_lean(self, snap: Any, live: List[Tuple[Chunk, torch.Tensor]], layout: Dict[int, List[Chunk]],
+                   old_tree: Dict[int, Any], t0: float) -> Callable[[], None]:
+        """A lean commit (``lean.py``): the own shard is sent from the live state, and
+        copied out of it once every peer copy landed; the next optimizer step waits."""
+        # Model buffers change in the next forward: copied now (they are small).
+        sources = [t.detach().to("cpu", copy=True) if c.key.startswith("buffer/") else t for c, t in live]
+        snap.tensors = {ROOT: {s: [meta(c) for c in layout[s]] for s in range(len(layout))}}
+        snap.plain[ROOT] = {"layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()},
+                            "adapter": self.adapter.plain(), "world": len(layout)}
+        snap.holding = (len(layout), ())
+        incoming = self._recv_buffers(layout, old_tree)
+        snap.pins += 1  # released when the commit is over
+        snap.incoming_nbytes = nbytes(incoming)
+        sess = self._sess
+        commit = LeanCommit(snap, self.rank, sources, incoming, exchange=self._exchange, merge=self._lean_merge,
+                            take_older=lambda: self._store.take_older(sess.run_rel, snap.index),
+                            aborted=lambda: sess.aborted, stop=lambda: StopTraining("membership change"), root=ROOT)
+        snap.settle = commit.settle
+        self._pending = commit
+        self.blocked_s += time.perf_counter() - t0
+
+        def start() -> None:
+            if self._exchange is not None:
+                self._exchange.submit(commit.run)
+            else:
+                COPY_THREAD.submit(commit.run)
+            if not self.overlap:  # no optimizer hook to wait in: wait here
+                self.wait()
+        return start
+
+    def _lean_merge(self, snap: Any, tensors: Dict[int, List[torch.Tensor]]) -> None:
+        with self._store._lock:  # the same lock the worker's export/merge take
+            tree = dict(snap.tensors.get(ROOT, {}))
+            tree.update(tensors)
+            snap.tensors = {ROOT: tree}
+            snap.holding = union(snap.holding, (snap.holding[0], tuple(tensors)))
+            snap.nbytes = nbytes(snap.tensors)
 
     def _defer(self, c: Chunk) -> Callable[[torch.Tensor], bool]:
         """Whether ``c``'s copy may wait for the optimizer step hook (buffers never do)."""

@@ -1,0 +1,160 @@
+"""Lean sharded snapshots (``ElasticState(lean_snapshots=True)``): one snapshot kept, 2x
+the rank's own shard between commits and 3x during a commit's peer copy, instead of 4x.
+
+Why the default holds 4x: a commit copies the own shard of step k+1 into host buffers of
+its own while the next step runs, and the shards of step k stay whole until every peer
+copy of k+1 has landed, so that a loss at any instant restores from memory
+(``docs/sharded.md``). Here the own shard of k+1 is not copied to a buffer of its own:
+
+1. the commit sends it **from the live state** to the ranks that back it up (CUDA pieces
+   staged through host memory a batch at a time) and receives the shards this rank
+   backs up into new buffers (the third shard of memory);
+2. every rank then says whether its sends and receives all ended well
+   (:meth:`Transport.all_true`, a one-integer all-reduce on the side group);
+3. if all did, snapshot k goes: the own shard of k+1 is copied out of the live state into
+   k's own buffers, and k's peer buffers are freed (2x again);
+4. the optimizer's next ``step()`` waits for all of that (its step pre-hook): the live
+   state is the only copy of the own shard of k+1 until step 3 ends. That wait is the
+   price: the peer copy no longer overlaps the next step's optimizer update.
+
+If a peer dies in between, the rank keeps snapshot k whole, and keeps k+1 too: its own
+shard copied out of the live state into new host memory (on failures only: 4x until
+the restore) plus the shards it received whole. Whatever instant the node goes, each
+shard of k or of k+1 is then held by a survivor: before any rank has step 2's answer, no
+rank dropped k; once one has, every peer copy of k+1 has landed. On an abort the
+optimizer's hook does not let the step run (the live state must not change while a send
+may still read it): it copies the own shard out and unwinds the train function
+(``StopTraining``), as ``report()`` does. A stopping worker's ``wait_pending`` settles
+the snapshot the same way (``Snapshot.settle``), so it never waits for a peer copy to a
+vanished peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from raylastic._internal.snapshots.capture import nbytes, plan_copy
+
+logger = logging.getLogger("raylastic")
+
+PENDING, FINISHED, SETTLED = "pending", "finished", "settled"
+
+
+def _host_copy(dst: Optional[torch.Tensor], src: torch.Tensor) -> torch.Tensor:
+    return plan_copy(dst, src, lambda _t: False, [])
+
+
+class LeanCommit:
+    """One lean commit of the sharded half: its peer copy, the vote, and the copy of the
+    own shard out of the live state. ``run`` runs in the peer-exchange thread (the copy
+    thread for a single rank); ``wait`` is the optimizer's step pre-hook; ``settle`` is
+    for an attempt that ends before ``run`` does.
+
+    ``snap``: the new snapshot (its own shard still ``meta``); ``sources``: what to send,
+    the own shard's live tensors (model buffers already copied: the forward writes them);
+    ``incoming``: buffers for the shards this rank backs up; ``merge(snap, tensors)``:
+    put own and received tensors into ``snap`` and mark what it holds; ``take_older()``:
+    take every older snapshot out of the store, returning one whose buffers may be reused;
+    ``exchange``: the ``PeerExchange`` (None for a single rank); ``aborted``: whether the
+    attempt was aborted."""
+
+    def __init__(self, snap: Any, rank: int, sources: Sequence[torch.Tensor],
+                 incoming: Dict[int, List[torch.Tensor]], *, exchange: Any,
+                 merge: Callable[[Any, Dict[int, List[torch.Tensor]]], None],
+                 take_older: Callable[[], Optional[Any]], aborted: Callable[[], bool],
+                 stop: Callable[[], BaseException], root: str):
+        self.snap = snap
+        self.rank = rank
+        self.sources = list(sources)
+        self.incoming = incoming
+        self._exchange = exchange
+        self._merge = merge
+        self._take_older = take_older
+        self._aborted = aborted
+        self._stop = stop
+        self._root = root
+        self._lock = threading.Lock()
+        self.state = PENDING
+        self.released = threading.Event()  # the live state may be written again
+        self.error: Optional[BaseException] = None
+
+    # -- the exchange thread -------------------------------------------------------------
+    def run(self) -> None:
+        sent = received = agreed = False
+        try:
+            if self._exchange is None:
+                sent = received = agreed = True
+            else:
+                sent, received, error = self._exchange.exchange_all(self.sources, self.incoming, self.snap.index)
+                if error is not None:
+                    logger.warning("snapshot %s: peer copy failed (%s); snapshot %s is kept",
+                                   self.snap.index, error, "before it")
+                agreed = self._exchange.all_true(sent and received)
+        except Exception as e:  # noqa: BLE001 - the vote failed: a peer is gone
+            logger.warning("snapshot %s: peers did not all answer (%s); the snapshot before it is kept",
+                           self.snap.index, e)
+        try:
+            with self._lock:
+                if self.state == PENDING:
+                    if agreed:
+                        self._finish()
+                    else:
+                        self._settle(received)
+                elif received:  # settled by the training thread: add what landed whole
+                    self._merge(self.snap, self.incoming)
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+            self.error = e
+            logger.warning("snapshot %s: lean commit failed: %s", self.snap.index, e)
+        finally:
+            self.snap.pins -= 1
+            self.snap.incoming_nbytes = 0
+            self.snap.done.set()
+            self.released.set()
+
+    def _finish(self) -> None:
+        """Every peer copy of this snapshot landed: the older snapshots go, and the own
+        shard moves out of the live state into the newest older one's buffers."""
+        old = self._take_older()
+        bufs = (old.tensors.get(self._root, {}).get(self.rank) if old is not None else None) or []
+        own = [_host_copy(bufs[j] if j < len(bufs) else None, t) for j, t in enumerate(self.sources)]
+        self._merge(self.snap, {self.rank: own, **self.incoming})
+        self.state = FINISHED
+        self.snap.complete.set()
+
+    def _settle(self, received: bool) -> None:
+        """Keep this snapshot as far as it goes: the own shard in new host memory, the
+        shards received whole. The older snapshots stay."""
+        own = [_host_copy(None, t) for t in self.sources]
+        tensors: Dict[int, List[torch.Tensor]] = {self.rank: own}
+        if received:
+            tensors.update(self.incoming)
+        self._merge(self.snap, tensors)
+        self.state = SETTLED
+        self.snap.complete.set()
+
+    # -- the training thread -------------------------------------------------------------
+    def settle(self) -> None:
+        """The attempt ends: make this snapshot independent of the live state now."""
+        with self._lock:
+            if self.state == PENDING:
+                self._settle(received=False)
+
+    def wait(self) -> None:
+        """The optimizer's step pre-hook: the live state is the only copy of the own shard
+        until ``run`` ends. On an abort: settle and unwind instead of stepping."""
+        while not self.released.wait(0.05):
+            if self._aborted():
+                self.settle()
+                raise self._stop()
+        if self.error is not None:
+            raise RuntimeError(f"snapshot {self.snap.index}: lean commit failed: {self.error}") from self.error
+
+    def nbytes(self) -> int:
+        return nbytes(self.incoming)
+
+
+__all__ = ["LeanCommit"]
