@@ -42,6 +42,7 @@ import glob
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -338,6 +339,7 @@ def main() -> Optional[int]:
     ap.add_argument("--cpus-per-worker", type=int, default=1,
                     help="CPUs per worker node and worker (its torch threads); default 1")
     ap.add_argument("--timeout-s", type=float, default=240)
+    ap.add_argument("--events-dir", help="copy each raylastic run's event log here (<system>_<framework>_<repeat>.jsonl)")
     ap.add_argument("--lean", action="store_true",
                     help="raylastic with ElasticState(lean_snapshots=True): one snapshot kept, 2x the own shard "
                          "(3x during a commit's peer copy, which the next optimizer step waits for)")
@@ -410,6 +412,10 @@ def main() -> Optional[int]:
                     res = timed(run_schedule, cluster, fit, log_dir, cfg["stop_path"], kill_at, between,
                                 args.notice_s, args.timeout_s)
                     results["runs"].setdefault(key, []).append(res)
+                    events = os.path.join(tmp, "storage", name, "events.jsonl")
+                    if args.events_dir and os.path.exists(events):
+                        os.makedirs(args.events_dir, exist_ok=True)
+                        shutil.copy(events, os.path.join(args.events_dir, f"{system}_{fw}_{rep}.jsonl"))
                     print(json.dumps({k: v for k, v in res.items() if k != "resumes"}, indent=1), flush=True)
                     finish(results, frameworks, args.out)
                     if cut_short(res, args.out):

@@ -149,9 +149,9 @@ class ElasticState:
             sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), None, persist=False)
             return
         snap = Snapshot(index=index, plain=self._registry.plain(), rng=rng_state())
-        start = half.capture(snap, STORE.recycle(sess.run_rel), persist)
+        start = half.capture(snap, None if half.lean else STORE.recycle(sess.run_rel), persist)
         snap.nbytes = nbytes(snap.tensors)
-        STORE.add(sess.run_rel, snap)  # listed as complete only once copied
+        STORE.add(sess.run_rel, snap, trim=not half.lean)  # listed as complete only once copied
         start()
         writer = half.writer(snap) if persist else None
         sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), writer,

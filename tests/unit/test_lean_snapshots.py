@@ -38,7 +38,8 @@ class _Exchange:
         return True, True, None
 
     def all_true(self, flag):
-        return flag and (self.votes.pop(0) if self.votes else True)
+        vote = self.votes.pop(0) if self.votes else True
+        return flag and (vote() if callable(vote) else vote)
 
     def run(self):
         for job in self.jobs:
@@ -69,9 +70,9 @@ def _lean(store):
 
 def _commit(st, store, index):
     snap = Snapshot(index=index, plain={})
-    start = st.capture(snap, store.recycle("r"), persist=False)  # as ElasticState.commit
+    start = st.capture(snap, None, persist=False)  # as ElasticState.commit does when lean
     snap.nbytes = nbytes(snap.tensors)
-    store.add("r", snap)
+    store.add("r", snap, trim=False)
     start()
     return snap
 
@@ -116,6 +117,65 @@ def test_a_failed_vote_keeps_the_older_snapshot_and_the_newer_one_as_far_as_it_g
     # its own shard copied out of the live state into memory of its own, the peer's landed
     assert two.tensors["sharded"][0][0].tolist() == [2.0] * 6 and two.holding == (2, (0, 1))
     assert two.tensors["sharded"][0][0].data_ptr() != one.tensors["sharded"][0][0].data_ptr()
+
+
+def test_a_vote_that_keeps_failing_keeps_the_last_voted_snapshot_and_no_pile():
+    """Failed votes without an abort (training goes on): the last snapshot every peer copy
+    of which landed stays until a newer one's vote passes, and at most it, the newest
+    complete one and the one on the wire are held."""
+    store = SnapshotStore(keep=2)
+    st, live, _sess, opt, param = _lean(store)
+    param.grad = torch.zeros(1)
+    for index, vote in ((1, True), (2, False), (3, False), (4, False)):
+        live.fill_(float(index))
+        _commit(st, store, index)
+        assert store.complete_indices("r") == {1: [], 2: [1], 3: [1, 2], 4: [1, 3]}[index]
+        st._exchange.votes = [vote]
+        st._exchange.run()
+        opt.step()
+    assert store.complete_indices("r") == [1, 3, 4] and store.get("r", 1).voted and not store.get("r", 4).voted
+    live.fill_(5.0)
+    _commit(st, store, 5)
+    assert store.complete_indices("r") == [1, 4]
+    st._exchange.run()
+    assert store.complete_indices("r") == [5] and store.get("r", 5).voted
+
+
+def test_a_late_vote_leaves_the_store_as_a_restore_made_it():
+    """A stopping worker gave up on a commit's peer copy; the controller restored the
+    snapshot before it, which dropped it as a rolled-back future. Its vote passing later
+    must not take the restored snapshot out of the store or write into its buffers."""
+    store = SnapshotStore(keep=2)
+    st, live, _sess, _opt, _param = _lean(store)
+    live.fill_(1.0)
+    one = _commit(st, store, 1)
+    st._exchange.run()
+    buf = one.tensors["sharded"][0][0]
+    live.fill_(2.0)
+    two = _commit(st, store, 2)
+    store.drop_after("r", 1)  # the restore of snapshot 1
+    st._exchange.run()  # the vote passes after all
+    assert store.complete_indices("r") == [1] and store.get("r", 1) is one
+    assert buf.tolist() == [1.0] * 6 and one.tensors["sharded"][0][0] is buf
+    assert two.complete.is_set() and not two.voted and two.done.is_set()
+
+
+def test_a_settle_during_the_vote_keeps_the_shards_that_landed():
+    """The abort reaches a rank blocked in the vote (its peer died mid all-reduce, and
+    other ranks may have passed it and dropped the older snapshot): what it received
+    must count, or the shard it backs up is nowhere."""
+    store = SnapshotStore(keep=2)
+    st, live, _sess, _opt, _param = _lean(store)
+    live.fill_(1.0)
+    _commit(st, store, 1)
+    st._exchange.run()
+    live.fill_(2.0)
+    snap = _commit(st, store, 2)
+    commit = st._pending
+    st._exchange.votes = [lambda: (commit.settle(), False)[1]]  # settled while voting, then the vote fails
+    st._exchange.run()
+    assert snap.holding == (2, (0, 1)) and snap.tensors["sharded"][1][0].tolist() == [-2.0] * 6
+    assert snap.settle is None and commit.sources == [] and commit.incoming == {}  # nothing of the attempt kept
 
 
 def test_an_abort_settles_the_commit_and_unwinds_instead_of_stepping():
@@ -179,6 +239,7 @@ def proc(rank, out, die):
     ex = PeerExchange(Transport(None), [(0, 1), (1, 0)])
     live = [torch.full((1000,), float(rank + 1)), torch.arange(7.0) * (rank + 1)]
     incoming = {1 - rank: [torch.empty(1000), torch.empty(7)]}
+    dist.barrier()  # both connected (a peer gone during the rendezvous fails the init instead)
     if die and rank == 1:
         os._exit(0)  # gone before its peer copy
     t0 = time.monotonic()
@@ -200,6 +261,7 @@ if __name__ == "__main__":
     ps = [ctx.Process(target=proc, args=(r, out, die)) for r in range(2)]
     for p in ps: p.start()
     for p in ps: p.join(60)
+    sys.exit(ps[0].exitcode)
 '''
 
 

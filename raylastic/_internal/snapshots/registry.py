@@ -50,6 +50,7 @@ class Half(Protocol):
     ZeRO: every rank holds its own shard)."""
 
     snapshot_on_stop: bool  # once a stop is asked for, snapshot every commit (whole copies)
+    lean: bool  # one snapshot kept (``sharded/lean.py``): the store is trimmed, not recycled
 
     def capture(self, snap: Any, old: Optional[Any], persist: bool) -> Callable[[], None]:
         """Fill ``snap`` (tensors, holding) in ``old``'s buffers; returns ``start()``, to

@@ -36,6 +36,7 @@ class ReplicatedState:
     tensor contributors (model, optimizer), copied by a :class:`StateCopier`."""
 
     snapshot_on_stop = True  # a stopping group snapshots every commit, whole on every rank
+    lean = False  # two snapshots, the oldest recycled
 
     def __init__(self, tensors: Dict[str, Any], sess: Any, *, striped: bool, overlap: bool):
         self._objs = tensors

@@ -38,6 +38,7 @@ class Snapshot:
     # A lean sharded commit (``sharded/lean.py``) not over yet: makes the snapshot
     # independent of the live state at once, for an attempt that ends before it is over.
     settle: Optional[Callable[[], None]] = None
+    voted: bool = False  # a lean commit every rank's peer copies of which landed
     # (nshards, shards) this copy holds (the rest are meta placeholders, see
     # ``placement``); WHOLE: a full copy.
     holding: Holding = WHOLE
@@ -56,11 +57,25 @@ class SnapshotStore:
         self._snaps: List[Snapshot] = []
         self.run: Optional[str] = None
 
-    def add(self, run: str, snap: Snapshot) -> None:
+    def add(self, run: str, snap: Snapshot, trim: bool = True) -> None:
+        """``trim`` False: a lean commit, whose snapshots ``trim_lean`` and ``take_older``
+        drop (the older one must stay until every peer copy of the newer landed)."""
         with self._lock:
             if self.run != run:
                 self._snaps, self.run = [], run
-            self._snaps = [s for s in self._snaps if s.index < snap.index][-(self._keep - 1):] + [snap]
+            older = [s for s in self._snaps if s.index < snap.index]
+            self._snaps = (older[-(self._keep - 1):] if trim else older) + [snap]
+
+    def trim_lean(self, run: str) -> None:
+        """Before a lean commit: keep the newest complete snapshot and the newest voted
+        one (whole on every rank; after a failed vote the newer may be partial), drop the
+        rest: a vote that keeps failing must not pile snapshots up."""
+        with self._lock:
+            if self.run != run:
+                return
+            complete = [s for s in self._snaps if s.complete.is_set()]
+            keep = {id(s) for s in complete[-1:] + [s for s in complete if s.voted][-1:]}
+            self._snaps = [s for s in self._snaps if id(s) in keep]
 
     def recycle(self, run: str) -> Optional[Snapshot]:
         """Take the oldest snapshot out of the store so its tensor buffers can be reused
@@ -77,20 +92,30 @@ class SnapshotStore:
             oldest.done.clear()
             return oldest
 
-    def take_older(self, run: str, index: int) -> Optional[Snapshot]:
-        """Take every snapshot older than ``index`` out of the store (a lean commit whose
-        peer copies all landed keeps one snapshot); returns the newest unpinned one, whose
-        buffers may be reused."""
+    def take_older(self, run: str, snap: Snapshot) -> Tuple[bool, Optional[Snapshot]]:
+        """Take every snapshot older than ``snap`` out of the store (a lean commit whose
+        peer copies all landed keeps one snapshot). Returns whether ``snap`` is still in
+        the store (not when a restore dropped it as a rolled-back future: then nothing is
+        taken, the restored snapshot among them) and the newest unpinned snapshot taken,
+        whose buffers may be reused."""
         with self._lock:
-            if self.run != run:
-                return None
-            older = [s for s in self._snaps if s.index < index]
-            self._snaps = [s for s in self._snaps if s.index >= index]
+            if self.run != run or not any(s is snap for s in self._snaps):
+                return False, None
+            older = [s for s in self._snaps if s.index < snap.index]
+            self._snaps = [s for s in self._snaps if s.index >= snap.index]
         for s in reversed(older):
             if not s.pins:
                 s.complete.clear()
-                return s
-        return None
+                return True, s
+        return True, None
+
+    def holdings(self, run: str) -> Tuple[List[int], Dict[int, Tuple[int, Tuple[int, ...]]]]:
+        """``complete_indices`` and ``stripes`` in one view (a commit may end between two)."""
+        with self._lock:
+            if self.run != run:
+                return [], {}
+            done = [s for s in self._snaps if s.complete.is_set()]
+            return [s.index for s in done], {s.index: s.holding for s in done if not is_whole(s.holding)}
 
     def complete_indices(self, run: str) -> List[int]:
         with self._lock:
@@ -154,6 +179,8 @@ class SnapshotStore:
             while not (snap.done.is_set() or (own_only and snap.complete.is_set())):
                 if time.monotonic() >= deadline or snap.done.wait(0.005):
                     break
+            if not snap.done.is_set() and snap.settle is not None:
+                snap.settle()  # given up on: the next attempt must not meet its late vote
 
     def clear(self) -> None:
         """Forget every snapshot: the run ended, and this process may serve another

@@ -191,20 +191,31 @@ class PeerExchange:
                     ok = False
             return ok
 
-        recvs = [tr.recv(t, src, base + j) for src, bufs in incoming.items() for j, t in enumerate(bufs) if t.numel()]
+        recvs: List[Any] = []
+        received = True
+        try:
+            for src, bufs in incoming.items():
+                recvs += [tr.recv(t, src, base + j) for j, t in enumerate(bufs) if t.numel()]
+        except Exception as e:  # noqa: BLE001 - what was posted is still waited for
+            errors.append(e)
+            received = False
         sent, batch, staged = True, [], 0
-        for dst in self.receivers():
-            for j, t in enumerate(own):
-                if not t.numel():
-                    continue
-                host = t.detach().to("cpu") if t.is_cuda else t.detach()
-                batch.append(tr.send(host, dst, base + j))
-                staged += host.numel() * host.element_size() if t.is_cuda else 0
-                if staged >= stage_bytes:  # the staged copies of CUDA pieces are freed per batch
-                    sent = settle(batch) and sent
-                    batch, staged = [], 0
+        try:
+            for dst in self.receivers():
+                for j, t in enumerate(own):
+                    if not t.numel():
+                        continue
+                    host = t.detach().to("cpu") if t.is_cuda else t.detach()
+                    batch.append(tr.send(host, dst, base + j))
+                    staged += host.numel() * host.element_size() if t.is_cuda else 0
+                    if staged >= stage_bytes:  # the staged copies of CUDA pieces are freed per batch
+                        sent = settle(batch) and sent
+                        batch, staged = [], 0
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+            sent = False
         sent = settle(batch) and sent
-        received = settle(recvs)
+        received = settle(recvs) and received
         return sent, received, (errors[0] if errors else None)
 
 

@@ -274,7 +274,8 @@ class TrainWorker:
     def holdings(self) -> Holdings:
         """Complete in-memory snapshots here, and which of them are striped (as poll()
         reports them, without draining reports)."""
-        return Holdings(snapshots=_store().complete_indices(self._run_rel), stripes=_store().stripes(self._run_rel))
+        snapshots, stripes = _store().holdings(self._run_rel)
+        return Holdings(snapshots=snapshots, stripes=stripes)
 
     def export_snapshot(self, index: int) -> ExportedShards:
         """The tensors of in-memory snapshot ``index`` this worker holds (by position),

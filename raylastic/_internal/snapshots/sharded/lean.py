@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -65,7 +65,7 @@ class LeanCommit:
     def __init__(self, snap: Any, rank: int, sources: Sequence[torch.Tensor],
                  incoming: Dict[int, List[torch.Tensor]], *, exchange: Any,
                  merge: Callable[[Any, Dict[int, List[torch.Tensor]]], None],
-                 take_older: Callable[[], Optional[Any]], aborted: Callable[[], bool],
+                 take_older: Callable[[], Tuple[bool, Optional[Any]]], aborted: Callable[[], bool],
                  stop: Callable[[], BaseException], root: str):
         self.snap = snap
         self.rank = rank
@@ -79,58 +79,71 @@ class LeanCommit:
         self._root = root
         self._lock = threading.Lock()
         self.state = PENDING
+        self._received = False  # every receive of the peer copy ended well
         self.released = threading.Event()  # the live state may be written again
         self.error: Optional[BaseException] = None
 
     # -- the exchange thread -------------------------------------------------------------
     def run(self) -> None:
-        sent = received = agreed = False
+        sent = agreed = False
         try:
             if self._exchange is None:
-                sent = received = agreed = True
+                sent = agreed = True
+                self._received = True
             else:
-                sent, received, error = self._exchange.exchange_all(self.sources, self.incoming, self.snap.index)
+                try:
+                    sent, received, error = self._exchange.exchange_all(self.sources, self.incoming, self.snap.index)
+                except Exception as e:  # noqa: BLE001 - nothing was posted: vote no all the same
+                    sent, received, error = False, False, e
+                with self._lock:
+                    self._received = received  # a settle() from now on keeps what landed
                 if error is not None:
-                    logger.warning("snapshot %s: peer copy failed (%s); snapshot %s is kept",
-                                   self.snap.index, error, "before it")
-                agreed = self._exchange.all_true(sent and received)
+                    logger.warning("snapshot %s: peer copy failed (%s); the snapshot before it is kept",
+                                   self.snap.index, error)
+                agreed = self._exchange.all_true(sent and received)  # every rank votes, always
         except Exception as e:  # noqa: BLE001 - the vote failed: a peer is gone
             logger.warning("snapshot %s: peers did not all answer (%s); the snapshot before it is kept",
                            self.snap.index, e)
         try:
             with self._lock:
                 if self.state == PENDING:
-                    if agreed:
-                        self._finish()
-                    else:
-                        self._settle(received)
-                elif received:  # settled by the training thread: add what landed whole
+                    if not (agreed and self._finish()):
+                        self._settle()
+                elif self._received:  # settled by the training thread before the copy landed
                     self._merge(self.snap, self.incoming)
-        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-            self.error = e
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait() and the writer
+            self.error = self.snap.error = e
             logger.warning("snapshot %s: lean commit failed: %s", self.snap.index, e)
         finally:
             self.snap.pins -= 1
             self.snap.incoming_nbytes = 0
+            self.snap.settle = None
+            self.sources, self.incoming = [], {}  # the old attempt's live tensors are not kept
             self.snap.done.set()
             self.released.set()
 
-    def _finish(self) -> None:
+    def _finish(self) -> bool:
         """Every peer copy of this snapshot landed: the older snapshots go, and the own
-        shard moves out of the live state into the newest older one's buffers."""
-        old = self._take_older()
+        shard moves out of the live state into the newest older one's buffers. False when
+        a restore dropped this snapshot meanwhile (it was not complete in time): then the
+        store is left as the restore made it."""
+        present, old = self._take_older()
+        if not present:
+            return False
         bufs = (old.tensors.get(self._root, {}).get(self.rank) if old is not None else None) or []
         own = [_host_copy(bufs[j] if j < len(bufs) else None, t) for j, t in enumerate(self.sources)]
         self._merge(self.snap, {self.rank: own, **self.incoming})
         self.state = FINISHED
+        self.snap.voted = True
         self.snap.complete.set()
+        return True
 
-    def _settle(self, received: bool) -> None:
+    def _settle(self) -> None:
         """Keep this snapshot as far as it goes: the own shard in new host memory, the
         shards received whole. The older snapshots stay."""
         own = [_host_copy(None, t) for t in self.sources]
         tensors: Dict[int, List[torch.Tensor]] = {self.rank: own}
-        if received:
+        if self._received:
             tensors.update(self.incoming)
         self._merge(self.snap, tensors)
         self.state = SETTLED
@@ -141,7 +154,7 @@ class LeanCommit:
         """The attempt ends: make this snapshot independent of the live state now."""
         with self._lock:
             if self.state == PENDING:
-                self._settle(received=False)
+                self._settle()
 
     def wait(self) -> None:
         """The optimizer's step pre-hook: the live state is the only copy of the own shard

@@ -209,9 +209,10 @@ class ShardedState(CopyWaiter):
         snap.incoming_nbytes = nbytes(incoming)
         sess = self._sess
         commit = LeanCommit(snap, self.rank, sources, incoming, exchange=self._exchange, merge=self._lean_merge,
-                            take_older=lambda: self._store.take_older(sess.run_rel, snap.index),
+                            take_older=lambda: self._store.take_older(sess.run_rel, snap),
                             aborted=lambda: sess.aborted, stop=lambda: StopTraining("membership change"), root=ROOT)
         snap.settle = commit.settle
+        self._store.trim_lean(sess.run_rel)
         self._pending = commit
         self.blocked_s += time.perf_counter() - t0
 
