@@ -59,11 +59,12 @@ class LeanCommit:
     ``incoming``: buffers for the shards this rank backs up; ``merge(snap, tensors)``:
     put own and received tensors into ``snap`` and mark what it holds; ``take_older()``:
     take every older snapshot out of the store, returning one whose buffers may be reused;
-    ``exchange``: the ``PeerExchange`` (None for a single rank); ``aborted``: whether the
-    attempt was aborted."""
+    ``exchange``: the ``PeerExchange`` (None for a single rank); ``ready``: for CUDA
+    sources, an event on the training stream that this thread waits for before reading
+    them; ``aborted``: whether the attempt was aborted."""
 
     def __init__(self, snap: Any, rank: int, sources: Sequence[torch.Tensor],
-                 incoming: Dict[int, List[torch.Tensor]], *, exchange: Any,
+                 incoming: Dict[int, List[torch.Tensor]], *, exchange: Any, ready: Any = None,
                  merge: Callable[[Any, Dict[int, List[torch.Tensor]]], None],
                  take_older: Callable[[], Tuple[bool, Optional[Any]]], aborted: Callable[[], bool],
                  stop: Callable[[], BaseException], root: str):
@@ -72,6 +73,7 @@ class LeanCommit:
         self.sources = list(sources)
         self.incoming = incoming
         self._exchange = exchange
+        self._ready = ready  # CUDA sources: an event recorded after the step that wrote them
         self._merge = merge
         self._take_older = take_older
         self._aborted = aborted
@@ -87,6 +89,8 @@ class LeanCommit:
     def run(self) -> None:
         sent = agreed = False
         try:
+            if self._ready is not None:
+                self._ready.synchronize()
             if self._exchange is None:
                 sent = agreed = True
                 self._received = True

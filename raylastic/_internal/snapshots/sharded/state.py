@@ -208,7 +208,13 @@ class ShardedState(CopyWaiter):
         snap.pins += 1  # released when the commit is over
         snap.incoming_nbytes = nbytes(incoming)
         sess = self._sess
-        commit = LeanCommit(snap, self.rank, sources, incoming, exchange=self._exchange, merge=self._lean_merge,
+        cuda = next((t.device for t in sources if t.is_cuda), None)
+        ready = None
+        if cuda is not None:  # the exchange thread's copies must follow the step that wrote them
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(cuda))
+        commit = LeanCommit(snap, self.rank, sources, incoming, ready=ready, exchange=self._exchange,
+                            merge=self._lean_merge,
                             take_older=lambda: self._store.take_older(sess.run_rel, snap),
                             aborted=lambda: sess.aborted, stop=lambda: StopTraining("membership change"), root=ROOT)
         snap.settle = commit.settle
