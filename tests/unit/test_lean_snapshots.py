@@ -17,7 +17,8 @@ from raylastic.state import Snapshot, SnapshotStore
 
 
 class _Exchange:
-    """What ``PeerExchange`` does for a lean commit, run when the test says; ``votes``:
+    """What ``PeerExchange`` does (for a lean commit, and the default's ``exchange``), run
+    when the test says; ``votes``:
     what the other rank answers (False: its peer copy failed)."""
 
     def __init__(self):
@@ -31,6 +32,9 @@ class _Exchange:
 
     def submit(self, job):
         self.jobs.append(job)
+
+    def exchange(self, own, incoming, index):  # the default's peer copy
+        incoming[1][0].fill_(float(index))
 
     def exchange_all(self, own, incoming, index):
         self.sent.append([t.clone() for t in own])
@@ -77,6 +81,20 @@ def _commit(st, store, index):
     return snap
 
 
+def _voted_then_on_the_wire(store):
+    """Snapshot 1 committed and voted (live 1.0), snapshot 2 captured (live 2.0), its peer
+    copy not run yet."""
+    st, live, sess, opt, param = _lean(store)
+    live.fill_(1.0)
+    one = _commit(st, store, 1)
+    st._exchange.run()
+    param.grad = torch.ones(1)
+    opt.step()  # param: -0.1
+    live.fill_(2.0)
+    two = _commit(st, store, 2)
+    return st, live, sess, opt, param, one, two
+
+
 def test_lean_holds_2x_between_commits_3x_on_the_wire_and_keeps_the_state_of_the_commit():
     store = SnapshotStore(keep=2)
     st, live, _sess, opt, param = _lean(store)
@@ -102,12 +120,7 @@ def test_lean_holds_2x_between_commits_3x_on_the_wire_and_keeps_the_state_of_the
 
 def test_a_failed_vote_keeps_the_older_snapshot_and_the_newer_one_as_far_as_it_goes():
     store = SnapshotStore(keep=2)
-    st, live, _sess, _opt, _param = _lean(store)
-    live.fill_(1.0)
-    _commit(st, store, 1)
-    st._exchange.run()
-    live.fill_(2.0)
-    _commit(st, store, 2)
+    st, live, *_ = _voted_then_on_the_wire(store)
     st._exchange.votes = [False]  # the other rank's peer copy failed: it keeps snapshot 1
     st._exchange.run()
     st.wait()
@@ -146,13 +159,8 @@ def test_a_late_vote_leaves_the_store_as_a_restore_made_it():
     snapshot before it, which dropped it as a rolled-back future. Its vote passing later
     must not take the restored snapshot out of the store or write into its buffers."""
     store = SnapshotStore(keep=2)
-    st, live, _sess, _opt, _param = _lean(store)
-    live.fill_(1.0)
-    one = _commit(st, store, 1)
-    st._exchange.run()
+    st, live, _sess, _opt, _param, one, two = _voted_then_on_the_wire(store)
     buf = one.tensors["sharded"][0][0]
-    live.fill_(2.0)
-    two = _commit(st, store, 2)
     store.drop_after("r", 1)  # the restore of snapshot 1
     st._exchange.run()  # the vote passes after all
     assert store.complete_indices("r") == [1] and store.get("r", 1) is one
@@ -165,12 +173,7 @@ def test_a_settle_during_the_vote_keeps_the_shards_that_landed():
     other ranks may have passed it and dropped the older snapshot): what it received
     must count, or the shard it backs up is nowhere."""
     store = SnapshotStore(keep=2)
-    st, live, _sess, _opt, _param = _lean(store)
-    live.fill_(1.0)
-    _commit(st, store, 1)
-    st._exchange.run()
-    live.fill_(2.0)
-    snap = _commit(st, store, 2)
+    st, _live, _sess, _opt, _param, _one, snap = _voted_then_on_the_wire(store)
     commit = st._pending
     st._exchange.votes = [lambda: (commit.settle(), False)[1]]  # settled while voting, then the vote fails
     st._exchange.run()
@@ -180,18 +183,11 @@ def test_a_settle_during_the_vote_keeps_the_shards_that_landed():
 
 def test_an_abort_settles_the_commit_and_unwinds_instead_of_stepping():
     store = SnapshotStore(keep=2)
-    st, live, sess, opt, param = _lean(store)
-    live.fill_(1.0)
-    _commit(st, store, 1)
-    st._exchange.run()
-    param.grad = torch.zeros(1)
-    opt.step()
-    live.fill_(2.0)
-    snap = _commit(st, store, 2)  # its peer copy hangs (a vanished peer): the job never runs
+    st, live, sess, opt, param, _one, snap = _voted_then_on_the_wire(store)  # its peer copy hangs: never run
     sess.aborted = True
     with pytest.raises(StopTraining):
         opt.step()
-    assert param.tolist() == [0.0]  # the step did not run
+    assert param.tolist() == pytest.approx([-0.1])  # the step did not run (-0.2 if it had)
     assert store.complete_indices("r") == [1, 2]
     assert snap.tensors["sharded"][0][0].tolist() == [2.0] * 6 and snap.holding == (2, (0,))
     live.fill_(3.0)

@@ -225,21 +225,7 @@ def test_peer_shards_still_arriving_are_counted_in_snapshot_bytes():
         def plain(self):
             return {}
 
-    class Exchange:  # what the side group's PeerExchange does, run when the test says
-        def __init__(self):
-            self.jobs = []
-
-        def sources(self):
-            return [1]
-
-        def receivers(self):
-            return [1]
-
-        def submit(self, job):
-            self.jobs.append(job)
-
-        def exchange(self, own, incoming, index):
-            incoming[1][0].fill_(float(index))
+    from test_lean_snapshots import _Exchange as Exchange  # the side group's exchange, run when the test says
 
     store = SnapshotStore(keep=2)
     spec = SimpleNamespace(rank=0, world_size=2, stripe=(), timeout_s=30.0)

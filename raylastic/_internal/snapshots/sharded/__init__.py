@@ -26,7 +26,8 @@ up with the ranks (3 shards of a weight become 2 of other sizes). So:
 
 Modules: ``layout`` (chunks and the overlap arithmetic, pure), ``reshard`` (filling a
 new layout from old shards: in memory over the group, or from files), ``fsdp2`` and
-``deepspeed`` (the adapters), ``state`` (the sharded half of ``ElasticState``).
+``deepspeed`` (the adapters), ``state`` (the sharded half of ``ElasticState``), ``lean``
+(``lean_snapshots=True``: one snapshot kept, the own shard sent from the live state).
 
 Every check of whether an old layout fits the new one (keys, global shapes, coverage) is
 made on metadata all ranks share, before any tensor moves, so all ranks raise together
