@@ -5,7 +5,6 @@ They are in an importable module (not a test file) so Ray workers can unpickle t
 
 from __future__ import annotations
 
-import datetime
 import os
 import tempfile
 import time
@@ -27,11 +26,8 @@ def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
     worker's GPU, for the NCCL path), stuck_rank0_at (None: in the first group only, rank 0
     waits at that step for a message rank 1 never sends, i.e. it is blocked in a gloo
     operation that only the group timeout or an abort ends, while the others block in
-    the next all-reduce), stuck_untracked_rank0_at (None: the same, but in a gloo group
-    the train function created outside raylastic's tracking, so no abort ends it: a
-    collective wait the controller replaces the rank for without waiting 3 steps),
-    hang_rank0_at (None: in the first group only, rank 0 hangs at that step in its own
-    code, outside any collective, where no abort reaches it).
+    the next all-reduce), hang_rank0_at (None: in the first group only, rank 0 hangs at
+    that step in its own code, outside any collective, where no abort reaches it).
     """
     total = int(config.get("total_steps", 20))
     every = int(config.get("checkpoint_every", 1))
@@ -55,18 +51,9 @@ def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     true_w = (torch.arange(dim, dtype=torch.float32).unsqueeze(1) / dim).to(device)
     stuck_at = config.get("stuck_rank0_at")
-    untracked_at, side = config.get("stuck_untracked_rank0_at"), None
-    untracked_step = int(untracked_at) if untracked_at is not None else -1
-    if untracked_at is not None and ctx.get_membership_epoch() == 1 and world > 1:
-        from raylastic._internal.distributed.process_group import untracked
-
-        with untracked():  # every rank (a collective); its connections are not shut by an abort
-            side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=300))
     for step in range(start + 1, total + 1):
         if stuck_at is not None and step == int(stuck_at) and rank == 0 and ctx.get_membership_epoch() == 1:
             dist.recv(torch.zeros(1), src=1)
-        if side is not None and step == untracked_step and rank == 0:
-            dist.recv(torch.zeros(1), src=1, group=side)
         _maybe_hang(config, step, rank, ctx)
         g = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(int(config.get("batch", 16)), dim, generator=g).to(device)

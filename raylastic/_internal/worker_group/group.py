@@ -31,7 +31,6 @@ from raylastic._internal.worker_group.membership import (  # noqa: F401 - re-exp
     Formed, GroupFormationError, HungWorker, Interrupted, MembersLost, PollBatch, StopOutcome, local_ranks, order_by_node,
 )
 from raylastic._internal.worker_group.results import Holdings, PersistedSnapshot, PollResult, StopAnswer
-from raylastic._internal.worker_group.stuck import describe, stuck_in_collectives
 from raylastic.config import RunConfig, ScalingConfig
 from raylastic._internal.protocol import GroupSpec, RestoreInfo
 
@@ -71,7 +70,6 @@ class WorkerGroup:
         self.max_polls_per_s = MAX_POLLS_PER_S
         self._watch_refs: Dict[int, Any] = {}  # wid -> its pending watch call (join)
         self._full_poll_at = float("-inf")
-        self._backend = "gloo"  # the current group's (setup)
 
     @classmethod
     def for_run(cls, scaling: ScalingConfig, run: RunConfig, storage, run_rel: str, run_name: str) -> "WorkerGroup":
@@ -195,7 +193,6 @@ class WorkerGroup:
             raise GroupFormationError(str(e), gone=len(dead)) from e
         for r, m in enumerate(members):
             m.prev_rank = r
-        self._backend = backend
         self._unavailable_since.clear()
         self._watch_refs.clear()  # calls on the last epoch's threads: answered or moot
         self._full_poll_at = float("-inf")
@@ -385,11 +382,8 @@ class WorkerGroup:
         # ran (actor calls run in a thread pool), and the next group must not form first.
         if aborts:
             self._wait(list(aborts.values()), timeout_s + 5)
-        early = stuck_in_collectives(refs, self._wait, timeout_s) if aborts and self._backend == "gloo" else []
-        done, not_done = self._wait([r for r in refs if refs[r] not in early], timeout_s + 5)
-        stopped = []
-        hung = [(m, "is stuck in a collective its abort did not end") for m in early]
-        hung += [(refs[ref], "did not answer") for ref in not_done]
+        done, not_done = self._wait(list(refs), timeout_s + 5)
+        stopped, hung = [], [(refs[ref], "did not answer") for ref in not_done]
         for ref in done:
             try:
                 if ray.get(ref):
@@ -402,9 +396,25 @@ class WorkerGroup:
         return StopOutcome(stopped, [HungWorker(m, why, wheres[m.wid], self._last_words(m)) for m, why in hung])
 
     def _where_stuck(self, hung: List[WorkerHandle], aborts: Dict[int, Any]) -> Dict[int, str]:
-        stacks = {m.wid: m.actor.train_stack.remote() for m in hung}  # asked of all at once
+        """What workers about to be replaced were doing, for the event log: how many
+        group connections each one's abort shut down, and its train thread's innermost
+        frames. Asked of all at once, under one deadline."""
+        stacks = {m.wid: m.actor.train_stack.remote() for m in hung}
         self._wait(list(stacks.values()), ABORT_JOIN_MIN_S)
-        return describe(hung, aborts, stacks)
+        out = {}
+        for m in hung:
+            parts = []
+            for label, ref in (("abort shut {} group connection(s)", aborts.get(m.wid)),
+                               ("{}", stacks[m.wid])):
+                if ref is None:
+                    continue
+                try:
+                    parts.append(label.format(ray.get(ref, timeout=0.1)))
+                except Exception as e:  # noqa: BLE001 - an actor that does not answer: say so
+                    parts.append(f"no answer ({type(e).__name__})")
+            out[m.wid] = "\n".join(p for p in parts if p)
+            logger.warning("replacing rank %s, which did not unwind: %s", m.prev_rank, out[m.wid])
+        return out
 
     def _last_words(self, m: WorkerHandle) -> Optional[PollResult]:
         """The reports a worker about to be replaced made since the last poll (its
