@@ -13,7 +13,11 @@
 set -eu
 version=$1
 out=$2
-key=$(.venv/bin/python -c 'import platform, sys, torch; print(f"torch-{torch.__version__}-cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')
+# The key reads torch's version from its metadata, not by importing it: under `make test` this
+# runs while the lock's packages install beside it, and an import of torch that met a
+# half-installed numpy failed a clean clone (2026-12-07: "module 'numpy' has no attribute
+# 'ndarray'"). The same string as torch.__version__ ("2.13.0+cpu").
+key=$(.venv/bin/python -c 'import platform, sys; from importlib.metadata import version; v = version("torch"); print(f"torch-{v}-cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')
 cache=${RAYLASTIC_WHEEL_CACHE-${XDG_CACHE_HOME:-$HOME/.cache}/raylastic/wheels}
 dir="$cache/deepspeed-$version-shm-$key"
 rm -rf "$out"
@@ -27,7 +31,12 @@ if [ -n "$cache" ]; then
     fi
   done
 fi
-DS_BUILD_SHM_COMM=1 .venv/bin/pip wheel -q --no-deps --no-build-isolation --no-cache-dir -w "$out" "deepspeed==$version"
+build() {
+  DS_BUILD_SHM_COMM=1 .venv/bin/pip wheel -q --no-deps --no-build-isolation --no-cache-dir -w "$out" "deepspeed==$version"
+}
+# The build imports torch too, and so can meet the same half-installed packages: once more
+# after them (uv installs the lock in well under 30 s here).
+build || { echo "DeepSpeed's build failed; once more in 30 s" >&2; sleep 30; build; }
 if [ -n "$cache" ]; then
   mkdir -p "$dir"
   for whl in "$out"/deepspeed-"$version"-*.whl; do
