@@ -110,7 +110,8 @@ class SnapshotStore:
         return True, None
 
     def holdings(self, run: str) -> Tuple[List[int], Dict[int, Tuple[int, Tuple[int, ...]]]]:
-        """``complete_indices`` and ``stripes`` in one view (a commit may end between two)."""
+        """The complete snapshots' indices, and those that hold only some shards (index ->
+        (nshards, shards)), in one view: a commit may end between two separate looks."""
         with self._lock:
             if self.run != run:
                 return [], {}
@@ -118,17 +119,11 @@ class SnapshotStore:
             return [s.index for s in done], {s.index: s.holding for s in done if not is_whole(s.holding)}
 
     def complete_indices(self, run: str) -> List[int]:
-        with self._lock:
-            if self.run != run:
-                return []
-            return [s.index for s in self._snaps if s.complete.is_set()]
+        return self.holdings(run)[0]
 
     def stripes(self, run: str) -> Dict[int, Tuple[int, Tuple[int, ...]]]:
         """Complete snapshots that hold only some shards: index -> (nshards, shards)."""
-        with self._lock:
-            if self.run != run:
-                return {}
-            return {s.index: s.holding for s in self._snaps if s.complete.is_set() and not is_whole(s.holding)}
+        return self.holdings(run)[1]
 
     def merge(self, run: str, index: int, holding: Holding, tensors: Dict[int, torch.Tensor]) -> Holding:
         """Fill snapshot ``index``'s placeholders with another copy's tensors (by leaf

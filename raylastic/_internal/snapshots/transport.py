@@ -151,9 +151,7 @@ class PeerExchange:
         Tags carry the snapshot index: a peer that skipped a snapshot can only stall this
         exchange (the group timeout fails it), never fill it with another step's shard."""
         tr, works = self._transport, []
-        base = (index % 4096) * 100_000
-        if len(own) >= 100_000 or any(len(b) >= 100_000 for b in incoming.values()):
-            raise ValueError("more than 100,000 sharded tensors per rank")
+        base = _tag_base(own, incoming, index)
         for dst in self.receivers():
             for j, t in enumerate(own):
                 if t.numel():
@@ -176,9 +174,7 @@ class PeerExchange:
         once this returns, nothing reads ``own`` any more. Returns (all sends ended well,
         all receives did, the first error)."""
         tr = self._transport
-        base = (index % 4096) * 100_000
-        if len(own) >= 100_000 or any(len(b) >= 100_000 for b in incoming.values()):
-            raise ValueError("more than 100,000 sharded tensors per rank")
+        base = _tag_base(own, incoming, index)
         errors: List[BaseException] = []
 
         def settle(works: List[Any]) -> bool:
@@ -217,6 +213,13 @@ class PeerExchange:
         sent = settle(batch) and sent
         received = settle(recvs) and received
         return sent, received, (errors[0] if errors else None)
+
+
+def _tag_base(own: Sequence[Any], incoming: Mapping[int, Sequence[Any]], index: int) -> int:
+    """The first tag of snapshot ``index``'s peer copy (piece j goes as base + j)."""
+    if len(own) >= 100_000 or any(len(b) >= 100_000 for b in incoming.values()):
+        raise ValueError("more than 100,000 sharded tensors per rank")
+    return (index % 4096) * 100_000
 
 
 def collective_device() -> torch.device:

@@ -37,15 +37,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from raylastic._internal.snapshots.capture import nbytes, plan_copy
+from raylastic._internal.snapshots.capture import copy_into
 
 logger = logging.getLogger("raylastic")
-
-PENDING, FINISHED, SETTLED = "pending", "finished", "settled"
-
-
-def _host_copy(dst: Optional[torch.Tensor], src: torch.Tensor) -> torch.Tensor:
-    return plan_copy(dst, src, lambda _t: False, [])
 
 
 class LeanCommit:
@@ -80,7 +74,7 @@ class LeanCommit:
         self._stop = stop
         self._root = root
         self._lock = threading.Lock()
-        self.state = PENDING
+        self.over = False  # finished (the vote passed) or settled: the snapshot is complete
         self._received = False  # every receive of the peer copy ended well
         self.released = threading.Event()  # the live state may be written again
         self.error: Optional[BaseException] = None
@@ -110,7 +104,7 @@ class LeanCommit:
                            self.snap.index, e)
         try:
             with self._lock:
-                if self.state == PENDING:
+                if not self.over:
                     if not (agreed and self._finish()):
                         self._settle()
                 elif self._received:  # settled by the training thread before the copy landed
@@ -135,9 +129,9 @@ class LeanCommit:
         if not present:
             return False
         bufs = (old.tensors.get(self._root, {}).get(self.rank) if old is not None else None) or []
-        own = [_host_copy(bufs[j] if j < len(bufs) else None, t) for j, t in enumerate(self.sources)]
+        own = [copy_into(bufs[j] if j < len(bufs) else None, t) for j, t in enumerate(self.sources)]
         self._merge(self.snap, {self.rank: own, **self.incoming})
-        self.state = FINISHED
+        self.over = True
         self.snap.voted = True
         self.snap.complete.set()
         return True
@@ -145,19 +139,19 @@ class LeanCommit:
     def _settle(self) -> None:
         """Keep this snapshot as far as it goes: the own shard in new host memory, the
         shards received whole. The older snapshots stay."""
-        own = [_host_copy(None, t) for t in self.sources]
+        own = [copy_into(None, t) for t in self.sources]
         tensors: Dict[int, List[torch.Tensor]] = {self.rank: own}
         if self._received:
             tensors.update(self.incoming)
         self._merge(self.snap, tensors)
-        self.state = SETTLED
+        self.over = True
         self.snap.complete.set()
 
     # -- the training thread -------------------------------------------------------------
     def settle(self) -> None:
         """The attempt ends: make this snapshot independent of the live state now."""
         with self._lock:
-            if self.state == PENDING:
+            if not self.over:
                 self._settle()
 
     def wait(self) -> None:
@@ -169,9 +163,6 @@ class LeanCommit:
                 raise self._stop()
         if self.error is not None:
             raise RuntimeError(f"snapshot {self.snap.index}: lean commit failed: {self.error}") from self.error
-
-    def nbytes(self) -> int:
-        return nbytes(self.incoming)
 
 
 __all__ = ["LeanCommit"]

@@ -166,8 +166,7 @@ class ShardedState(CopyWaiter):
         for s in range(len(layout)):
             tree[s] = own if s == self.rank else [meta(c) for c in layout[s]]
         snap.tensors = {ROOT: tree}
-        snap.plain[ROOT] = {"layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()},
-                            "adapter": self.adapter.plain(), "world": len(layout)}
+        snap.plain[ROOT] = self._plain(layout)
         snap.holding = (len(layout), (self.rank,))
         self.blocked_s += time.perf_counter() - t0
         incoming = self._recv_buffers(layout, old_tree)
@@ -199,10 +198,9 @@ class ShardedState(CopyWaiter):
         """A lean commit (``lean.py``): the own shard is sent from the live state, and
         copied out of it once every peer copy landed; the next optimizer step waits."""
         # Model buffers change in the next forward: copied now (they are small).
-        sources = [t.detach().to("cpu", copy=True) if c.key.startswith("buffer/") else t for c, t in live]
+        sources = [t.detach().to("cpu", copy=True) if _is_buffer(c) else t for c, t in live]
         snap.tensors = {ROOT: {s: [meta(c) for c in layout[s]] for s in range(len(layout))}}
-        snap.plain[ROOT] = {"layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()},
-                            "adapter": self.adapter.plain(), "world": len(layout)}
+        snap.plain[ROOT] = self._plain(layout)
         snap.holding = (len(layout), ())
         incoming = self._recv_buffers(layout, old_tree)
         snap.pins += 1  # released when the commit is over
@@ -239,9 +237,14 @@ class ShardedState(CopyWaiter):
             snap.holding = union(snap.holding, (snap.holding[0], tuple(tensors)))
             snap.nbytes = nbytes(snap.tensors)
 
+    def _plain(self, layout: Dict[int, List[Chunk]]) -> Dict[str, Any]:
+        """What a snapshot says of its shards besides their tensors: every old rank's chunks."""
+        return {"layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()},
+                "adapter": self.adapter.plain(), "world": len(layout)}
+
     def _defer(self, c: Chunk) -> Callable[[torch.Tensor], bool]:
         """Whether ``c``'s copy may wait for the optimizer step hook (buffers never do)."""
-        return lambda _t: self.overlap and not c.key.startswith("buffer/")
+        return lambda _t: self.overlap and not _is_buffer(c)
 
     def _recv_buffers(self, layout: Dict[int, List[Chunk]], old_tree: Dict[int, Any]) -> Dict[int, List[torch.Tensor]]:
         out: Dict[int, List[torch.Tensor]] = {}
@@ -298,6 +301,11 @@ class ShardedState(CopyWaiter):
     def close(self) -> None:
         if self._exchange is not None:
             self._exchange.close()
+
+
+def _is_buffer(c: Chunk) -> bool:
+    """A model buffer (BatchNorm's statistics): the forward pass writes it, not the optimizer."""
+    return c.key.startswith("buffer/")
 
 
 def own_shard_bytes(snap: Any, rank: int) -> int:
