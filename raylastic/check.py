@@ -25,22 +25,57 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import yaml
 
 from raylastic._internal.cluster.notices import SOURCES_ENV, sources_from_env
-from raylastic.policies.node_types import (MARKET_LABEL, NODE_TYPE_LABEL, RESOURCE_PREFIX, MissingPriceError,
-                                           PriceTable, _kuberay_entries, node_types_from_cluster_config,
-                                           validate_node_type_name)
+from raylastic.policies.node_types import (
+    MARKET_LABEL,
+    NODE_TYPE_LABEL,
+    RESOURCE_PREFIX,
+    MissingPriceError,
+    PriceTable,
+    _kuberay_entries,
+    node_types_from_cluster_config,
+    validate_node_type_name,
+)
 
 MAX_BYTES, MAX_VALUES = 4 * 2**20, 200_000
-HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
-          "RAY_health_check_failure_threshold": "3"}
+HEALTH = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+}
 DEFAULT_NAMES = ("spot", "on_demand")  # CapacityPolicy's default node types
 SETUP_KEYS = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands")
 PLACEHOLDER = re.compile(r"(?<![A-Za-z])EDIT(?![A-Za-z])|\b(?:192\.0\.2|198\.51\.100|203\.0\.113)\.\d{1,3}/\d")
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-SPOT_KEYS = {"cloud.google.com/gke-spot": "gcp", "eks.amazonaws.com/capacityType": "aws",
-             "karpenter.sh/capacity-type": "aws", "kubernetes.azure.com/scalesetpriority": "azure"}
-PIP_VALUE_OPTS = {"-r", "--requirement", "-c", "--constraint", "-e", "--editable", "-i", "--index-url", "-f",
-                  "--extra-index-url", "--find-links", "-t", "--target", "--prefix", "--root", "--trusted-host",
-                  "--upgrade-strategy", "--cache-dir", "--only-binary", "--no-binary", "-C", "--config-settings"}
+SPOT_KEYS = {
+    "cloud.google.com/gke-spot": "gcp",
+    "eks.amazonaws.com/capacityType": "aws",
+    "karpenter.sh/capacity-type": "aws",
+    "kubernetes.azure.com/scalesetpriority": "azure",
+}
+PIP_VALUE_OPTS = {
+    "-r",
+    "--requirement",
+    "-c",
+    "--constraint",
+    "-e",
+    "--editable",
+    "-i",
+    "--index-url",
+    "-f",
+    "--extra-index-url",
+    "--find-links",
+    "-t",
+    "--target",
+    "--prefix",
+    "--root",
+    "--trusted-host",
+    "--upgrade-strategy",
+    "--cache-dir",
+    "--only-binary",
+    "--no-binary",
+    "-C",
+    "--config-settings",
+}
 README = "cluster-configs/README.md"
 
 
@@ -155,7 +190,7 @@ def _pip_requirements(cmd: str) -> List[str]:
     for toks in _segments(cmd):
         for i, tok in enumerate(toks[:-1]):
             if tok.rsplit("/", 1)[-1] in ("pip", "pip3") and toks[i + 1] == "install":
-                args, j = toks[i + 2:], 0
+                args, j = toks[i + 2 :], 0
                 while j < len(args):
                     if not args[j].startswith("-"):
                         reqs.append(args[j])
@@ -171,8 +206,10 @@ def _vm_spot(cloud: Optional[str], nc: Mapping[str, Any]) -> Optional[bool]:
         return _m(nc.get("azure_arm_parameters")).get("priority") in ("Spot", "Low")
     if cloud == "gcp":
         sched = nc.get("scheduling")
-        return any(_m(s).get("provisioningModel") == "SPOT" or _m(s).get("preemptible") is True
-                   for s in (sched if isinstance(sched, list) else [sched]))
+        return any(
+            _m(s).get("provisioningModel") == "SPOT" or _m(s).get("preemptible") is True
+            for s in (sched if isinstance(sched, list) else [sched])
+        )
     return None
 
 
@@ -181,8 +218,11 @@ def _launcher(doc: Mapping[str, Any], rep: Report) -> Optional[Cluster]:
     cloud = provider.get("type") if provider.get("type") in ("aws", "azure", "gcp") else None  # else: labels only
     types = doc.get("available_node_types")
     if not isinstance(types, Mapping) or not types:
-        rep.error("available_node_types", "missing or not a mapping of node types",
-                  "define a head and the spot / on_demand node types (cluster-configs/aws-spot.yaml)")
+        rep.error(
+            "available_node_types",
+            "missing or not a mapping of node types",
+            "define a head and the spot / on_demand node types (cluster-configs/aws-spot.yaml)",
+        )
         return None
     head = doc.get("head_node_type")
     if head not in types:
@@ -196,8 +236,16 @@ def _launcher(doc: Mapping[str, Any], rep: Report) -> Optional[Cluster]:
             rep.error(where, "is not a mapping", "give it resources, labels and node_config")
             continue
         env = head_env if name == head else worker_env
-        groups.append(Group(where, name == head, _m(spec.get("resources")), _m(spec.get("labels")),
-                            _vm_spot(cloud, _m(spec.get("node_config"))), env))
+        groups.append(
+            Group(
+                where,
+                name == head,
+                _m(spec.get("resources")),
+                _m(spec.get("labels")),
+                _vm_spot(cloud, _m(spec.get("node_config"))),
+                env,
+            )
+        )
     docker = _m(doc.get("docker"))
     images = [(f"docker.{k}", str(docker[k])) for k in ("image", "head_image", "worker_image") if docker.get(k)]
     installs = [(key, c) for key in SETUP_KEYS for c in _cmds(doc, key)]
@@ -206,15 +254,20 @@ def _launcher(doc: Mapping[str, Any], rep: Report) -> Optional[Cluster]:
 
 def _spot_keys(pod: Mapping[str, Any]) -> Tuple[bool, bool]:
     """(selects spot nodes, has an affinity keeping it off them), on GKE, EKS, Karpenter, AKS."""
-    terms = _m(_m(_m(pod.get("affinity")).get("nodeAffinity")).get(
-        "requiredDuringSchedulingIgnoredDuringExecution")).get("nodeSelectorTerms")
+    terms = _m(
+        _m(_m(pod.get("affinity")).get("nodeAffinity")).get("requiredDuringSchedulingIgnoredDuringExecution")
+    ).get("nodeSelectorTerms")
     exprs = [_m(e) for t in (terms if isinstance(terms, list) else []) for e in _m(t).get("matchExpressions") or []]
     is_spot = ("true", "spot").__contains__
     sel = any(k in SPOT_KEYS and is_spot(str(v).lower()) for k, v in _m(pod.get("nodeSelector")).items()) or any(
-        e.get("key") in SPOT_KEYS and e.get("operator") == "In" and any(
-            is_spot(str(v).lower()) for v in e.get("values") or []) for e in exprs)
-    avoid = all(any(e.get("key") == k and e.get("operator") in ("NotIn", "DoesNotExist") for e in exprs)
-                for k in SPOT_KEYS)
+        e.get("key") in SPOT_KEYS
+        and e.get("operator") == "In"
+        and any(is_spot(str(v).lower()) for v in e.get("values") or [])
+        for e in exprs
+    )
+    avoid = all(
+        any(e.get("key") == k and e.get("operator") in ("NotIn", "DoesNotExist") for e in exprs) for k in SPOT_KEYS
+    )
     return sel, avoid
 
 
@@ -236,11 +289,16 @@ def _kuberay(doc: Mapping[str, Any], rep: Report) -> Optional[Cluster]:
     spec, where, images, installs = _m(doc.get("spec")), "spec", [], []
     if doc.get("kind") == "RayJob":
         if not isinstance(spec.get("rayClusterSpec"), Mapping):
-            rep.error("spec.rayClusterSpec", "missing: nothing to check (clusterSelector runs on an existing "
-                      "cluster)", "check that cluster's RayCluster manifest")
+            rep.error(
+                "spec.rayClusterSpec",
+                "missing: nothing to check (clusterSelector runs on an existing cluster)",
+                "check that cluster's RayCluster manifest",
+            )
             return None
-        images += [("spec.submitterPodTemplate", str(_m(c).get("image"))) for c in _m(
-            _m(spec.get("submitterPodTemplate")).get("spec")).get("containers") or []]
+        images += [
+            ("spec.submitterPodTemplate", str(_m(c).get("image")))
+            for c in _m(_m(spec.get("submitterPodTemplate")).get("spec")).get("containers") or []
+        ]
         installs.append(("spec.runtimeEnvYAML", str(spec.get("runtimeEnvYAML") or "")))
         spec, where = spec["rayClusterSpec"], "spec.rayClusterSpec"
     version = str(spec.get("rayVersion", ""))
@@ -250,11 +308,15 @@ def _kuberay(doc: Mapping[str, Any], rep: Report) -> Optional[Cluster]:
     raw_workers = spec.get("workerGroupSpecs")
     workers: List[Any] = raw_workers if isinstance(raw_workers, list) else []
     specs = [(f"{where}.headGroupSpec", _m(spec.get("headGroupSpec")), True)] + [
-        (f"{where}.workerGroupSpecs[{i}]", _m(g), False) for i, g in enumerate(workers)]
+        (f"{where}.workerGroupSpecs[{i}]", _m(g), False) for i, g in enumerate(workers)
+    ]
     for w, g, head in specs:
         if not head and not DNS_LABEL.fullmatch(str(g.get("groupName", ""))):
-            rep.error(w, f"groupName {g.get('groupName')!r} is not a DNS label: pod names are built from it",
-                      "lowercase letters, digits and '-' (the node type name comes from the resource)")
+            rep.error(
+                w,
+                f"groupName {g.get('groupName')!r} is not a DNS label: pod names are built from it",
+                "lowercase letters, digits and '-' (the node type name comes from the resource)",
+            )
         try:
             grp, pod = _kube_group(w, g, head)
         except (ValueError, TypeError, AttributeError) as e:  # what node_types_from_cluster_config raises
@@ -265,7 +327,8 @@ def _kuberay(doc: Mapping[str, Any], rep: Report) -> Optional[Cluster]:
         images += [(w, str(_m(c).get("image"))) for c in pod.get("containers") or []]
     cloud = next((SPOT_KEYS[k] for p in pods for k in _m(p.get("nodeSelector")) if k in SPOT_KEYS), None)
     auth = _m(spec.get("authOptions")).get("mode") == "token" or any(
-        g.head and g.env.get("RAY_AUTH_MODE") == "token" for g in groups)
+        g.head and g.env.get("RAY_AUTH_MODE") == "token" for g in groups
+    )
     return Cluster(str(doc.get("kind")), cloud, groups, installs, images, auth)
 
 
@@ -280,9 +343,12 @@ def _check_group(g: Group, c: Cluster, types: Dict[str, str], rep: Report) -> No
             rep.error(g.where, f"the head carries {slots[0]!r}: workers would land on it", "drop it")
         return
     if not slots:
-        return rep.warn(g.where, "no node_type:<name> resource: raylastic never places a worker here",
-                        f"add {{'node_type:<name>': 1}} and the raylastic.io labels ({README})")
-    name, market = slots[0][len(RESOURCE_PREFIX):], g.labels.get(MARKET_LABEL)
+        return rep.warn(
+            g.where,
+            "no node_type:<name> resource: raylastic never places a worker here",
+            f"add {{'node_type:<name>': 1}} and the raylastic.io labels ({README})",
+        )
+    name, market = slots[0][len(RESOURCE_PREFIX) :], g.labels.get(MARKET_LABEL)
     try:
         validate_node_type_name(name, f"resource {slots[0]!r}")
     except ValueError as e:
@@ -290,11 +356,17 @@ def _check_group(g: Group, c: Cluster, types: Dict[str, str], rep: Report) -> No
     if market not in ("spot", "on_demand"):
         return rep.error(g.where, f"label {MARKET_LABEL}={market!r}", f"set {MARKET_LABEL} to spot or on_demand")
     if g.labels.get(NODE_TYPE_LABEL, name) != name:
-        rep.error(g.where, f"label {NODE_TYPE_LABEL}={g.labels[NODE_TYPE_LABEL]!r} but resource {slots[0]!r}",
-                  "make them name the same node type")
+        rep.error(
+            g.where,
+            f"label {NODE_TYPE_LABEL}={g.labels[NODE_TYPE_LABEL]!r} but resource {slots[0]!r}",
+            "make them name the same node type",
+        )
     if g.spot is not None and g.spot != (market == "spot"):
-        rep.error(g.where, f"labelled {market} but launches {'spot' if g.spot else 'on-demand'} capacity",
-                  "make node_config / node selectors and the market label agree")
+        rep.error(
+            g.where,
+            f"labelled {market} but launches {'spot' if g.spot else 'on-demand'} capacity",
+            "make node_config / node selectors and the market label agree",
+        )
     elif g.spot is None and market == "spot" and c.kind != "launcher":
         rep.warn(g.where, "labelled spot but selects no spot nodes", "add your cloud's spot nodeSelector")
     elif market == "on_demand" and not g.avoids_spot:
@@ -303,13 +375,17 @@ def _check_group(g: Group, c: Cluster, types: Dict[str, str], rep: Report) -> No
     if n is None or n <= 0:
         rep.error(g.where, f"{slots[0]}={g.resources[slots[0]]!r}", "one unit per worker slot: a number > 0")
     elif cpu is not None and cpu < n:
-        rep.error(g.where, f"{cpu:g} CPU for {n:g} worker slot(s): each worker asks for 1 CPU",
-                  "at least one CPU per slot")
+        rep.error(
+            g.where, f"{cpu:g} CPU for {n:g} worker slot(s): each worker asks for 1 CPU", "at least one CPU per slot"
+        )
     types[name] = market
     raw = g.env.get(SOURCES_ENV)
     if market == "spot" and raw is None:
-        rep.warn(g.where, f"{SOURCES_ENV} not set: spot preemption notices are ignored and steps lost",
-                 f"set {SOURCES_ENV}={c.cloud or 'aws|azure|gcp'} in the workers' environment")
+        rep.warn(
+            g.where,
+            f"{SOURCES_ENV} not set: spot preemption notices are ignored and steps lost",
+            f"set {SOURCES_ENV}={c.cloud or 'aws|azure|gcp'} in the workers' environment",
+        )
     elif raw is not None:
         try:
             names = [s.name for s in sources_from_env({SOURCES_ENV: raw})]
@@ -327,8 +403,11 @@ def _check(c: Cluster, doc: Mapping[str, Any], path: str, rep: Report) -> None:
     spot = [n for n, m in types.items() if m == "spot"]
     od = [n for n, m in types.items() if m == "on_demand"]
     if len(spot) != 1 or len(od) != 1:
-        rep.error("node types", f"spot {spot}, on-demand {od}: CapacityPolicy needs exactly one of each",
-                  f"define one spot and one on_demand node type ({README})")
+        rep.error(
+            "node types",
+            f"spot {spot}, on-demand {od}: CapacityPolicy needs exactly one of each",
+            f"define one spot and one on_demand node type ({README})",
+        )
     else:
         if rep.errors == errors:
             try:
@@ -336,17 +415,26 @@ def _check(c: Cluster, doc: Mapping[str, Any], path: str, rep: Report) -> None:
             except Exception as e:  # noqa: BLE001 - what the user's own call would raise
                 rep.error("node types", f"node_types_from_cluster_config fails: {e}", "follow the message")
         if (spot[0], od[0]) != DEFAULT_NAMES:
-            rep.warn("node types", f"named {spot[0]!r} / {od[0]!r}: CapacityPolicy's defaults ask for "
-                     "node_type:spot / node_type:on_demand, which no node here offers",
-                     f'pass CapacityPolicy(node_types=node_types_from_cluster_config("{path}"))')
+            rep.warn(
+                "node types",
+                f"named {spot[0]!r} / {od[0]!r}: CapacityPolicy's defaults ask for "
+                "node_type:spot / node_type:on_demand, which no node here offers",
+                f'pass CapacityPolicy(node_types=node_types_from_cluster_config("{path}"))',
+            )
     _check_prices(doc, types, rep)
     missing = [k for k in HEALTH if k not in next((g.env for g in c.groups if g.head), {})]
     if missing:
-        rep.warn("head", f"{', '.join(missing)} not set: Ray notices a lost node after ~14 s",
-                 " ".join(f"{k}={v}" for k, v in HEALTH.items()) + " in the head's environment (~3 s)")
+        rep.warn(
+            "head",
+            f"{', '.join(missing)} not set: Ray notices a lost node after ~14 s",
+            " ".join(f"{k}={v}" for k, v in HEALTH.items()) + " in the head's environment (~3 s)",
+        )
     if not c.auth:
-        rep.warn("auth", "Ray token auth is off: whoever reaches the Ray ports runs code",
-                 "RAY_AUTH_MODE=token in front of every ray start (KubeRay: authOptions: {mode: token})")
+        rep.warn(
+            "auth",
+            "Ray token auth is off: whoever reaches the Ray ports runs code",
+            "RAY_AUTH_MODE=token in front of every ray start (KubeRay: authOptions: {mode: token})",
+        )
     _check_installs(c, rep)
 
 
@@ -354,8 +442,11 @@ def _check_prices(doc: Mapping[str, Any], types: Mapping[str, str], rep: Report)
     try:
         prices = PriceTable.from_cluster_config(doc).usd_per_hour
     except MissingPriceError:
-        return rep.warn("prices", "none in the config: the cost objective then assumes spot is cheaper",
-                        "add metadata.raylastic.prices_usd_per_hour (KubeRay: the prices annotation)")
+        return rep.warn(
+            "prices",
+            "none in the config: the cost objective then assumes spot is cheaper",
+            "add metadata.raylastic.prices_usd_per_hour (KubeRay: the prices annotation)",
+        )
     except Exception as e:  # noqa: BLE001 - what PriceTable would refuse
         return rep.error("prices", str(e), "one finite number >= 0 of USD per hour per node type")
     if any(n not in prices for n in types):
@@ -364,7 +455,8 @@ def _check_prices(doc: Mapping[str, Any], types: Mapping[str, str], rep: Report)
 
 def _check_installs(c: Cluster, rep: Report) -> None:
     found = any("raylastic" in img.lower() for _, img in c.images) or any(
-        "raylastic" in text and "pip" in text for where, text in c.installs if where == "spec.runtimeEnvYAML")
+        "raylastic" in text and "pip" in text for where, text in c.installs if where == "spec.runtimeEnvYAML"
+    )
     for where, cmd in c.installs:
         for req in _pip_requirements(cmd):
             found = found or "raylastic" in req.lower()
@@ -372,8 +464,10 @@ def _check_installs(c: Cluster, rep: Report) -> None:
                 rep.warn(where, f"pip install {req!r} is not pinned", "name==version, a wheel, a URL at a commit")
     if not found:
         (rep.error if c.kind == "launcher" else rep.warn)(
-            "install", "nothing installs raylastic on the nodes (setup commands, image, runtime env)",
-            "pip install the raylastic wheel in the setup commands, or use an image that has it")
+            "install",
+            "nothing installs raylastic on the nodes (setup commands, image, runtime env)",
+            "pip install the raylastic wheel in the setup commands, or use an image that has it",
+        )
     for where, img in c.images:
         name, _, tag = img.rpartition(":") if ":" in img.rsplit("/", 1)[-1] else (img, "", "")
         if "@sha256:" not in img and tag in ("", "latest") or name == "rayproject/ray" and tag[:5] != "2.60.":
@@ -417,8 +511,11 @@ def check_file(path: str) -> Report:
             if cluster is not None:
                 _check(cluster, d, path, rep)
         if not recognised:
-            rep.error("file", "neither a Ray cluster-launcher config nor a KubeRay RayCluster / RayJob manifest",
-                      "pass a cluster config (see cluster-configs/)")
+            rep.error(
+                "file",
+                "neither a Ray cluster-launcher config nor a KubeRay RayCluster / RayJob manifest",
+                "pass a cluster config (see cluster-configs/)",
+            )
     except CheckError as e:
         rep.error("file", str(e), "pass a readable YAML cluster config")
     except Exception as e:  # noqa: BLE001 - untrusted input must never end in a traceback
@@ -428,8 +525,10 @@ def check_file(path: str) -> Report:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="raylastic check", description="Check Ray cluster configs (launcher YAML, KubeRay manifests) "
-        "against what raylastic needs, offline. Exit 0: nothing blocks a run; 2: an error does.")
+        prog="raylastic check",
+        description="Check Ray cluster configs (launcher YAML, KubeRay manifests) "
+        "against what raylastic needs, offline. Exit 0: nothing blocks a run; 2: an error does.",
+    )
     parser.add_argument("configs", nargs="+", metavar="CLUSTER_CONFIG")
     try:
         args = parser.parse_args(argv)

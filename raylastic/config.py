@@ -13,8 +13,15 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Dict, Mapping, Optional, cast
 
 from raylastic._internal.validate import (
-    check_bool, check_instance, check_int, check_number, check_reserves_something, check_resources,
-    check_storage_path, check_text, run_name_problem,
+    check_bool,
+    check_instance,
+    check_int,
+    check_number,
+    check_reserves_something,
+    check_resources,
+    check_storage_path,
+    check_text,
+    run_name_problem,
 )
 from raylastic.errors import ConfigError
 from raylastic.policies.capacity import CapacityPolicy
@@ -37,8 +44,10 @@ def _keep_s_from_env() -> float:
     except ValueError:
         value = float("nan")
     if not (value >= 0 and value != float("inf")):
-        raise ValueError(f"{KEEP_ENV}={raw!r} is not a number of seconds >= 0. Fix: set it to e.g. 30, "
-                         "or unset it (workers end with the run)")
+        raise ValueError(
+            f"{KEEP_ENV}={raw!r} is not a number of seconds >= 0. Fix: set it to e.g. 30, "
+            "or unset it (workers end with the run)"
+        )
     return value
 
 
@@ -96,19 +105,32 @@ class ScalingConfig:
         check_int(self.min_workers, "ScalingConfig.min_workers", minimum=1, fix="pass min_workers=1 or more")
         if self.max_workers is None:
             object.__setattr__(self, "max_workers", self.min_workers)
-        check_int(self.max_workers, "ScalingConfig.max_workers", minimum=1,
-                  fix="pass max_workers >= min_workers, or leave it out (a fixed size of min_workers)")
+        check_int(
+            self.max_workers,
+            "ScalingConfig.max_workers",
+            minimum=1,
+            fix="pass max_workers >= min_workers, or leave it out (a fixed size of min_workers)",
+        )
         max_workers = cast(int, self.max_workers)  # set (and checked) just above
         _check(
             self.min_workers <= max_workers,
             f"ScalingConfig: min_workers ({self.min_workers}) > max_workers "
             f"({self.max_workers}). Fix: raise max_workers or lower min_workers.",
         )
-        check_bool(self.use_gpu, "ScalingConfig.use_gpu",
-                   "pass use_gpu=True (NCCL, one GPU per worker) or use_gpu=False (gloo on CPU)")
+        check_bool(
+            self.use_gpu,
+            "ScalingConfig.use_gpu",
+            "pass use_gpu=True (NCCL, one GPU per worker) or use_gpu=False (gloo on CPU)",
+        )
         check_bool(self.validate_resources, "ScalingConfig.validate_resources")
-        check_number(self.max_wait_s, "ScalingConfig.max_wait_s", above=0, unit="seconds",
-                     none_means="wait forever", fix="pass seconds > 0, or None to wait forever")
+        check_number(
+            self.max_wait_s,
+            "ScalingConfig.max_wait_s",
+            above=0,
+            unit="seconds",
+            none_means="wait forever",
+            fix="pass seconds > 0, or None to wait forever",
+        )
         check_resources(self.resources_per_worker, "ScalingConfig.resources_per_worker")
         if self.resources_per_worker is not None:
             _check(
@@ -116,23 +138,36 @@ class ScalingConfig:
                 "ScalingConfig.resources_per_worker asks for GPU but use_gpu=False. "
                 "Fix: pass use_gpu=True (NCCL) or drop 'GPU' from resources_per_worker.",
             )
-        check_instance(self.capacity, CapacityPolicy, "ScalingConfig.capacity",
-                       "capacity=raylastic.policies.capacity.CapacityPolicy(...), or None", optional=True)
+        check_instance(
+            self.capacity,
+            CapacityPolicy,
+            "ScalingConfig.capacity",
+            "capacity=raylastic.policies.capacity.CapacityPolicy(...), or None",
+            optional=True,
+        )
         if self.keep_workers_s is None:
             try:
                 object.__setattr__(self, "keep_workers_s", _keep_s_from_env())
             except ValueError as e:
                 raise ConfigError(f"ScalingConfig.keep_workers_s defaults to {e}") from None
-        check_number(self.keep_workers_s, "ScalingConfig.keep_workers_s", minimum=0, maximum=86400,
-                     unit="seconds", fix="pass seconds >= 0 (0: workers end with the run)")
+        check_number(
+            self.keep_workers_s,
+            "ScalingConfig.keep_workers_s",
+            minimum=0,
+            maximum=86400,
+            unit="seconds",
+            fix="pass seconds >= 0 (0: workers end with the run)",
+        )
         if self.capacity is None:  # (with a policy each worker also reserves its node type's slot)
             check_reserves_something(self.worker_resources(), "ScalingConfig.resources_per_worker")
         else:
-            _check(self.max_wait_s is None,
-                   f"ScalingConfig.max_wait_s={self.max_wait_s} and a CapacityPolicy: with a capacity policy "
-                   "the wait for min_workers is bounded by CapacityPolicy.max_wait_s alone (one clock). "
-                   f"Fix: pass CapacityPolicy(max_wait_s={self.max_wait_s}, ...) and leave "
-                   "ScalingConfig.max_wait_s unset.")
+            _check(
+                self.max_wait_s is None,
+                f"ScalingConfig.max_wait_s={self.max_wait_s} and a CapacityPolicy: with a capacity policy "
+                "the wait for min_workers is bounded by CapacityPolicy.max_wait_s alone (one clock). "
+                f"Fix: pass CapacityPolicy(max_wait_s={self.max_wait_s}, ...) and leave "
+                "ScalingConfig.max_wait_s unset.",
+            )
             try:
                 self.capacity.validate_scaling(min_workers=self.min_workers, max_workers=self.max_workers)
             except ValueError as e:
@@ -172,10 +207,19 @@ class FailureConfig:
     max_node_failures: Optional[int] = None
 
     def __post_init__(self) -> None:
-        check_int(self.max_failures, "FailureConfig.max_failures", minimum=-1,
-                  fix="pass 0 (fail at the first error), a number of retries, or -1 (unlimited)")
-        check_int(self.max_node_failures, "FailureConfig.max_node_failures", minimum=0, none_means="unlimited",
-                  fix="pass a number of node losses to recover from, or None (unlimited, the default)")
+        check_int(
+            self.max_failures,
+            "FailureConfig.max_failures",
+            minimum=-1,
+            fix="pass 0 (fail at the first error), a number of retries, or -1 (unlimited)",
+        )
+        check_int(
+            self.max_node_failures,
+            "FailureConfig.max_node_failures",
+            minimum=0,
+            none_means="unlimited",
+            fix="pass a number of node losses to recover from, or None (unlimited, the default)",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,18 +254,33 @@ class CheckpointConfig:
     score_order: str = "max"
 
     def __post_init__(self) -> None:
-        check_int(self.num_to_keep, "CheckpointConfig.num_to_keep", minimum=1, none_means="keep all",
-                  fix="pass num_to_keep=2 or more (1 keeps only the newest), or None")
+        check_int(
+            self.num_to_keep,
+            "CheckpointConfig.num_to_keep",
+            minimum=1,
+            none_means="keep all",
+            fix="pass num_to_keep=2 or more (1 keeps only the newest), or None",
+        )
         check_bool(self.async_upload, "CheckpointConfig.async_upload")
-        check_int(self.persist_every, "CheckpointConfig.persist_every", minimum=1,
-                  none_means="snapshots stay in memory",
-                  fix="pass persist_every=N to write every N-th ElasticState snapshot, or None")
-        check_text(self.score_attribute, "CheckpointConfig.score_attribute", optional=True,
-                   fix="pass the name of a metric your train function reports, e.g. score_attribute='val_loss', "
-                       "or None to keep the newest checkpoints")
-        _check(self.score_order in ("max", "min") and isinstance(self.score_order, str),
-               f"CheckpointConfig.score_order={self.score_order!r} must be 'max' or 'min'. "
-               "Fix: pass score_order='min' for a loss, 'max' for an accuracy.")
+        check_int(
+            self.persist_every,
+            "CheckpointConfig.persist_every",
+            minimum=1,
+            none_means="snapshots stay in memory",
+            fix="pass persist_every=N to write every N-th ElasticState snapshot, or None",
+        )
+        check_text(
+            self.score_attribute,
+            "CheckpointConfig.score_attribute",
+            optional=True,
+            fix="pass the name of a metric your train function reports, e.g. score_attribute='val_loss', "
+            "or None to keep the newest checkpoints",
+        )
+        _check(
+            self.score_order in ("max", "min") and isinstance(self.score_order, str),
+            f"CheckpointConfig.score_order={self.score_order!r} must be 'max' or 'min'. "
+            "Fix: pass score_order='min' for a loss, 'max' for an accuracy.",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,20 +335,45 @@ class RunConfig:
                 "'_' and '.', e.g. RunConfig(name='my-run-1').",
             )
         object.__setattr__(self, "storage_path", check_storage_path(self.storage_path, "RunConfig.storage_path"))
-        check_instance(self.failure_config, FailureConfig, "RunConfig.failure_config",
-                       "failure_config=raylastic.FailureConfig(max_failures=...)")
-        check_instance(self.checkpoint_config, CheckpointConfig, "RunConfig.checkpoint_config",
-                       "checkpoint_config=raylastic.CheckpointConfig(num_to_keep=...)")
-        check_number(self.poll_interval_s, "RunConfig.poll_interval_s", above=0, maximum=10, unit="seconds",
-                     fix="pass poll_interval_s=0.1 (the default)")
+        check_instance(
+            self.failure_config,
+            FailureConfig,
+            "RunConfig.failure_config",
+            "failure_config=raylastic.FailureConfig(max_failures=...)",
+        )
+        check_instance(
+            self.checkpoint_config,
+            CheckpointConfig,
+            "RunConfig.checkpoint_config",
+            "checkpoint_config=raylastic.CheckpointConfig(num_to_keep=...)",
+        )
+        check_number(
+            self.poll_interval_s,
+            "RunConfig.poll_interval_s",
+            above=0,
+            maximum=10,
+            unit="seconds",
+            fix="pass poll_interval_s=0.1 (the default)",
+        )
         for flag in ("verbose", "progress", "tensorboard"):
             check_bool(getattr(self, flag), f"RunConfig.{flag}")
-        check_int(self.total_steps, "RunConfig.total_steps", minimum=1, none_means="unknown: no ETA",
-                  fix="pass the number of reports the run makes, or None")
+        check_int(
+            self.total_steps,
+            "RunConfig.total_steps",
+            minimum=1,
+            none_means="unknown: no ETA",
+            fix="pass the number of reports the run makes, or None",
+        )
         if self.storage_retry is not None:
             _check_retry(self.storage_retry)
-        check_number(self.lease_ttl_s, "RunConfig.lease_ttl_s", minimum=3, maximum=3600, unit="seconds",
-                     fix="pass lease_ttl_s=30 (the default): renewed every lease_ttl_s / 3")
+        check_number(
+            self.lease_ttl_s,
+            "RunConfig.lease_ttl_s",
+            minimum=3,
+            maximum=3600,
+            unit="seconds",
+            fix="pass lease_ttl_s=30 (the default): renewed every lease_ttl_s / 3",
+        )
 
 
 def _check_retry(retry: Any) -> None:
@@ -298,13 +382,26 @@ def _check_retry(retry: Any) -> None:
     # Here, not at the top: storage imports pyarrow, and configs stay cheap to import.
     from raylastic.checkpoint.storage import RetryPolicy
 
-    check_instance(retry, RetryPolicy, "RunConfig.storage_retry",
-                   "storage_retry=raylastic.checkpoint.storage.RetryPolicy(...), or None (the default)")
-    check_int(retry.max_attempts, "RunConfig.storage_retry.max_attempts", minimum=1,
-              fix="pass max_attempts=5 (the default) or another count >= 1")
+    check_instance(
+        retry,
+        RetryPolicy,
+        "RunConfig.storage_retry",
+        "storage_retry=raylastic.checkpoint.storage.RetryPolicy(...), or None (the default)",
+    )
+    check_int(
+        retry.max_attempts,
+        "RunConfig.storage_retry.max_attempts",
+        minimum=1,
+        fix="pass max_attempts=5 (the default) or another count >= 1",
+    )
     for name in ("base_delay_s", "max_delay_s"):
-        check_number(getattr(retry, name), f"RunConfig.storage_retry.{name}", minimum=0, unit="seconds",
-                     fix=f"pass {name} as seconds >= 0")
+        check_number(
+            getattr(retry, name),
+            f"RunConfig.storage_retry.{name}",
+            minimum=0,
+            unit="seconds",
+            fix=f"pass {name} as seconds >= 0",
+        )
 
 
 def describe(obj: Any) -> Dict[str, Any]:
@@ -316,6 +413,9 @@ def describe(obj: Any) -> Dict[str, Any]:
 
 def describe_run(run: RunConfig) -> Dict[str, Any]:
     """The parts of a RunConfig the event log records at the start of a run."""
-    return {"name": run.name, "storage_path": run.storage_path,
-            "failure_config": describe(run.failure_config),
-            "checkpoint_config": describe(run.checkpoint_config)}
+    return {
+        "name": run.name,
+        "storage_path": run.storage_path,
+        "failure_config": describe(run.failure_config),
+        "checkpoint_config": describe(run.checkpoint_config),
+    }

@@ -127,6 +127,7 @@ def storage_failure(e: BaseException, uri: str) -> TrainingFailedError:
         f"the controller could not write to the run's storage {uri} ({type(e).__name__}: {e}). "
         "Nothing committed is lost: fix the storage (service, credentials, "
         "RunConfig(storage_retry=...) for longer outages) and call fit() again with the same "
-        "RunConfig(name=...) to resume from the last committed checkpoint.")
+        "RunConfig(name=...) to resume from the last committed checkpoint."
+    )
     err.__cause__ = e
     return err

@@ -85,6 +85,7 @@ class LossCause(str, enum.Enum):
 
 # ----------------------------------------------------------------------------- segments
 
+
 @functools.lru_cache(maxsize=None)
 def _segment_re(base: str) -> "re.Pattern[str]":
     stem = base[: -len(".jsonl")] if base.endswith(".jsonl") else base
@@ -110,6 +111,7 @@ def log_segments(names: Iterable[str], base: str) -> List[str]:
 
 
 # ----------------------------------------------------------------------------- writing
+
 
 class _Segment:
     """Lines of one object-store segment; ``name`` is chosen at its first upload."""
@@ -138,8 +140,7 @@ class JsonlWriter:
     One writer per log at a time (the run's controller).
     """
 
-    def __init__(self, storage, rel: str, sync_interval_s: float = 5.0,
-                 segment_bytes: int = SEGMENT_BYTES):
+    def __init__(self, storage, rel: str, sync_interval_s: float = 5.0, segment_bytes: int = SEGMENT_BYTES):
         self._storage = storage
         self._rel = rel
         self._dir, _, self._base = rel.rpartition("/")
@@ -313,11 +314,9 @@ def read_jsonl_numbered(text: str, source: str = "") -> Iterator[Tuple[int, Dict
             if i == len(lines) - 1:
                 logger.warning("skipping truncated last line %d of %s", i + 1, source or "log")
                 continue
-            raise CorruptLogError(f"{source or 'log'} line {i + 1} is not valid JSON: "
-                                  f"{line[:80]!r}") from None
+            raise CorruptLogError(f"{source or 'log'} line {i + 1} is not valid JSON: {line[:80]!r}") from None
         if not isinstance(record, dict):
-            raise CorruptLogError(f"{source or 'log'} line {i + 1} is not a JSON object: "
-                                  f"{line[:80]!r}")
+            raise CorruptLogError(f"{source or 'log'} line {i + 1} is not a JSON object: {line[:80]!r}")
         yield i + 1, record
 
 

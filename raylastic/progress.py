@@ -89,8 +89,9 @@ class _Rate:
         return (i1 - i0) / (t1 - t0) if t1 > t0 and i1 > i0 else None
 
 
-def format_status(status: Mapping[str, Any], steps_per_s: Optional[float],
-                  metric_keys: Tuple[str, ...] = ("loss",)) -> str:
+def format_status(
+    status: Mapping[str, Any], steps_per_s: Optional[float], metric_keys: Tuple[str, ...] = ("loss",)
+) -> str:
     """The status fields after the step counter, e.g.
     ``world 3 | 1,200 samples/s | loss 0.1234 | ETA 01:02 | recoveries 1 | Running``."""
     parts = [f"world {status.get('world_size', 0)}"]
@@ -120,11 +121,19 @@ class ProgressLine:
     the end (or use it as a context manager). Never raises from update/close: a broken
     progress display must not stop training."""
 
-    def __init__(self, enabled: bool = True, *, total_steps: Optional[int] = None,
-                 file: Optional[TextIO] = None, desc: str = "raylastic",
-                 plain_interval_s: float = 30.0, rate_window_s: float = 30.0,
-                 metric_keys: Tuple[str, ...] = ("loss",), interactive: Optional[bool] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        enabled: bool = True,
+        *,
+        total_steps: Optional[int] = None,
+        file: Optional[TextIO] = None,
+        desc: str = "raylastic",
+        plain_interval_s: float = 30.0,
+        rate_window_s: float = 30.0,
+        metric_keys: Tuple[str, ...] = ("loss",),
+        interactive: Optional[bool] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.enabled = enabled
         self._file = file
         self._desc = desc
@@ -157,10 +166,12 @@ class ProgressLine:
         return self._file if self._file is not None else sys.stdout
 
     def _make_bar(self, total: Optional[int]):
-        fmt = ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}{postfix}" if total
-               else "{desc}: step {n_fmt}{postfix}")
-        kwargs = dict(total=total, desc=self._desc, bar_format=fmt, dynamic_ncols=True,
-                      leave=True, file=self._out())
+        fmt = (
+            "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}{postfix}"
+            if total
+            else "{desc}: step {n_fmt}{postfix}"
+        )
+        kwargs = dict(total=total, desc=self._desc, bar_format=fmt, dynamic_ncols=True, leave=True, file=self._out())
         try:
             from tqdm.auto import tqdm
 
@@ -209,8 +220,11 @@ class ProgressLine:
 
     def _plain_text(self, text: str) -> str:
         index, total = self._status.get("index"), self._status.get("total_steps")
-        step = "step -" if index is None else f"step {index}" + (
-            f"/{total} ({100.0 * index / total:.0f}%)" if total else "")
+        step = (
+            "step -"
+            if index is None
+            else f"step {index}" + (f"/{total} ({100.0 * index / total:.0f}%)" if total else "")
+        )
         return f"[{self._desc}] {step} | {text}"
 
     def _emit_plain(self, text: str) -> None:
@@ -228,8 +242,7 @@ class ProgressLine:
             if self._bar is not None:
                 self._bar.close()
             elif self._status:
-                line = self._plain_text(format_status(self._status, self._rate.per_s(),
-                                                      self._metric_keys))
+                line = self._plain_text(format_status(self._status, self._rate.per_s(), self._metric_keys))
                 if line != self._last_line:
                     print(line, file=self._out(), flush=True)
         except Exception:  # noqa: BLE001

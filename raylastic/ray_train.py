@@ -28,7 +28,10 @@ from ray.train.v2.api.result import Result as RayResult
 
 from raylastic import session as _session
 from raylastic._internal.ray_train_checkpoints import (
-    Retention, honour_dir_names, settle_before_error, write_ray_snapshot,
+    Retention,
+    honour_dir_names,
+    settle_before_error,
+    write_ray_snapshot,
 )
 from raylastic._internal.ray_train_errors import as_ray_error
 from raylastic._internal.ray_train_hooks import RayTrainHooks
@@ -95,32 +98,50 @@ class TorchTrainer:
     See docs/ray_train.md for what each config field does here.
     """
 
-    def __init__(self, train_loop_per_worker: Callable, *, train_loop_config: Optional[Dict[str, Any]] = None,
-                 torch_config: Any = None, scaling_config: Any = None, run_config: Any = None,
-                 datasets: Optional[Dict[str, Any]] = None, dataset_config: Any = None,
-                 validation_config: Any = None, metadata: Optional[Dict[str, Any]] = None,
-                 resume_from_checkpoint: Optional[Checkpoint] = None):
+    def __init__(
+        self,
+        train_loop_per_worker: Callable,
+        *,
+        train_loop_config: Optional[Dict[str, Any]] = None,
+        torch_config: Any = None,
+        scaling_config: Any = None,
+        run_config: Any = None,
+        datasets: Optional[Dict[str, Any]] = None,
+        dataset_config: Any = None,
+        validation_config: Any = None,
+        metadata: Optional[Dict[str, Any]] = None,
+        resume_from_checkpoint: Optional[Checkpoint] = None,
+    ):
         if not callable(train_loop_per_worker):
             raise ConfigError(
                 f"train_loop_per_worker must be a callable taking (config) or (), got "
-                f"{type(train_loop_per_worker).__name__}. Fix: pass the function itself.")
+                f"{type(train_loop_per_worker).__name__}. Fix: pass the function itself."
+            )
         if validation_config is not None:
             raise ConfigError(
                 "TorchTrainer(validation_config=...) is not supported by raylastic: it runs no "
                 "validation tasks. Fix: validate inside the train function, or after fit() on "
-                "result.best_checkpoints.")
+                "result.best_checkpoints."
+            )
         if metadata is not None:
             raise ConfigError(
                 "TorchTrainer(metadata=...) is not supported (Ray Train 2.x deprecated it too). "
-                "Fix: pass the values in train_loop_config, or save them in your checkpoints.")
+                "Fix: pass the values in train_loop_config, or save them in your checkpoints."
+            )
         self._local: Optional[LocalRun] = None
         if is_local_mode(scaling_config):  # num_workers=0: Ray Train's local mode (_internal/ray_train_local.py)
             self.scaling_config, self.run_config, self.train_loop_config = scaling_config, run_config, train_loop_config
             self.translation = check_local_config(scaling_config, run_config, torch_config)
             if resume_from_checkpoint is not None:
                 _check_checkpoint(resume_from_checkpoint)
-            self._local = LocalRun(train_loop_per_worker, train_loop_config, torch_config,
-                                   cast(str, self.translation.run.name), datasets, resume_from_checkpoint)
+            self._local = LocalRun(
+                train_loop_per_worker,
+                train_loop_config,
+                torch_config,
+                cast(str, self.translation.run.name),
+                datasets,
+                resume_from_checkpoint,
+            )
             return
         translation = translate(scaling_config, run_config, torch_config)
         for note in translation.ignored:
@@ -129,23 +150,34 @@ class TorchTrainer:
             _check_checkpoint(resume_from_checkpoint)
         ship_by_value(train_loop_per_worker)
         backend = translation.backend
-        func = ResumeFrom(train_loop_per_worker, resume_from_checkpoint,
-                          Retention.of(translation.run.checkpoint_config),
-                          context=backend.train_func_context if backend is not None else None)
+        func = ResumeFrom(
+            train_loop_per_worker,
+            resume_from_checkpoint,
+            Retention.of(translation.run.checkpoint_config),
+            context=backend.train_func_context if backend is not None else None,
+        )
         self.scaling_config = scaling_config
         self.run_config = run_config
         self.train_loop_config = train_loop_config
         self.translation = translation
-        self._trainer = ElasticTrainer(func, train_loop_config=train_loop_config,
-                                       scaling_config=translation.scaling, run_config=translation.run,
-                                       datasets=datasets, dataset_config=dataset_config)
+        self._trainer = ElasticTrainer(
+            func,
+            train_loop_config=train_loop_config,
+            scaling_config=translation.scaling,
+            run_config=translation.run,
+            datasets=datasets,
+            dataset_config=dataset_config,
+        )
         if chdir_to_run_dir_enabled():  # read here, in the driver, as Ray Train reads it
             func.working_dir = translation.run.name or self._trainer._name
         if backend is not None or translation.callbacks:
             self._trainer._hooks = RayTrainHooks(
-                backend, translation.callbacks,
+                backend,
+                translation.callbacks,
                 run_context(translation, scaling_config, run_config, torch_config, train_loop_config, dataset_config),
-                translation.run.storage_path, translation.scaling.worker_resources())
+                translation.run.storage_path,
+                translation.scaling.worker_resources(),
+            )
 
     def fit(self) -> TorchTrainerResult:
         """Train; raise the error that ended training (as Ray Train's ``fit`` does): a
@@ -157,9 +189,14 @@ class TorchTrainer:
         propagates, and nothing is written to storage (``path`` is None), as in Ray Train."""
         if self._local is not None:
             out = self._local.run()
-            return TorchTrainerResult(metrics=out.metrics, checkpoint=out.checkpoint, error=None,
-                                      path=cast(Any, None), return_value=out.return_value,
-                                      world_sizes=[out.world_size])
+            return TorchTrainerResult(
+                metrics=out.metrics,
+                checkpoint=out.checkpoint,
+                error=None,
+                path=cast(Any, None),
+                return_value=out.return_value,
+                world_sizes=[out.world_size],
+            )
         run = self.translation.run
         name = run.name or self._trainer._name  # the one given, or the one ElasticTrainer generated
         try:
@@ -209,17 +246,21 @@ def _check_checkpoint(ckpt: Any) -> None:
     if not isinstance(ckpt, Checkpoint):
         raise ConfigError(
             f"resume_from_checkpoint must be a ray.train.Checkpoint, got {type(ckpt).__name__}. "
-            "Fix: ray.train.Checkpoint.from_directory(path) or Checkpoint(path, filesystem).")
+            "Fix: ray.train.Checkpoint.from_directory(path) or Checkpoint(path, filesystem)."
+        )
     fs = ckpt.filesystem
     if fs is None:
-        raise ConfigError(f"resume_from_checkpoint={ckpt!r} has no filesystem. Fix: "
-                          "ray.train.Checkpoint.from_directory(path) or Checkpoint(path, filesystem).")
+        raise ConfigError(
+            f"resume_from_checkpoint={ckpt!r} has no filesystem. Fix: "
+            "ray.train.Checkpoint.from_directory(path) or Checkpoint(path, filesystem)."
+        )
     info = fs.get_file_info(ckpt.path)
     if info.type != pafs.FileType.Directory:
         raise ConfigError(
             f"resume_from_checkpoint={ckpt!r}: no directory at {ckpt.path!r} "
             f"({fs.type_name} filesystem). Fix: point it at an existing checkpoint "
-            "directory that every node can read.")
+            "directory that every node can read."
+        )
 
 
 class ResumeFrom:
@@ -232,9 +273,14 @@ class ResumeFrom:
     the directory under ``<Ray session dir>/artifacts/`` the worker changes into first
     (``RAY_CHDIR_TO_TRIAL_DIR``, on by default, as in Ray Train)."""
 
-    def __init__(self, func: Callable, checkpoint: Optional[Checkpoint] = None,
-                 retention: Optional[Retention] = None, context: Optional[Callable] = None,
-                 working_dir: Optional[str] = None):
+    def __init__(
+        self,
+        func: Callable,
+        checkpoint: Optional[Checkpoint] = None,
+        retention: Optional[Retention] = None,
+        context: Optional[Callable] = None,
+        working_dir: Optional[str] = None,
+    ):
         self.func = func
         self.checkpoint = checkpoint
         self.retention = retention or Retention()
@@ -303,8 +349,14 @@ def chdir_to_run_dir(name: str) -> str:
     return path
 
 
-def run_context(translation: Translation, scaling_config: Any, run_config: Any, torch_config: Any,
-                train_loop_config: Optional[Dict[str, Any]], dataset_config: Any) -> Any:
+def run_context(
+    translation: Translation,
+    scaling_config: Any,
+    run_config: Any,
+    torch_config: Any,
+    train_loop_config: Optional[Dict[str, Any]],
+    dataset_config: Any,
+) -> Any:
     """Ray Train's ``TrainRunContext`` of this trainer (the ``run_context`` its
     ``UserCallback``s get): the configs as given, Ray's defaults for those left out, and the
     run's name as raylastic runs it."""
@@ -315,10 +367,13 @@ def run_context(translation: Translation, scaling_config: Any, run_config: Any, 
 
     rc = copy.copy(run_config) if run_config is not None else RayRunConfig()
     rc.name = translation.run.name or rc.name
-    return TrainRunContext(run_config=rc, train_loop_config=train_loop_config,
-                           scaling_config=scaling_config if scaling_config is not None else RayScalingConfig(),
-                           backend_config=torch_config if torch_config is not None else TorchConfig(),
-                           dataset_config=dataset_config if dataset_config is not None else DataConfig())
+    return TrainRunContext(
+        run_config=rc,
+        train_loop_config=train_loop_config,
+        scaling_config=scaling_config if scaling_config is not None else RayScalingConfig(),
+        backend_config=torch_config if torch_config is not None else TorchConfig(),
+        dataset_config=dataset_config if dataset_config is not None else DataConfig(),
+    )
 
 
 def _snapshot(run: Any, name: str) -> None:
@@ -330,8 +385,9 @@ def _snapshot(run: Any, name: str) -> None:
         logger.warning("could not write Ray Train's checkpoint_manager_snapshot.json for run %s: %s", name, e)
 
 
-def ray_result(result: ElasticResult, storage_path: str, name: str,
-               checkpoint_config: Optional[CheckpointConfig] = None) -> TorchTrainerResult:
+def ray_result(
+    result: ElasticResult, storage_path: str, name: str, checkpoint_config: Optional[CheckpointConfig] = None
+) -> TorchTrainerResult:
     """Ray Train's result for raylastic's, reading the run's committed checkpoints:
     ``best_checkpoints`` are the best ``num_to_keep`` by the score attribute (worst first),
     or the kept ones oldest first, as Ray Train lists them."""
@@ -339,11 +395,18 @@ def ray_result(result: ElasticResult, storage_path: str, name: str,
     storage = Storage(storage_path)
     ranked = scoring.best(committed_checkpoints(storage, name), cc.num_to_keep, cc.score_attribute, cc.score_order)
     best: List[Tuple[Checkpoint, Dict[str, Any]]] = [
-        (StorageCheckpoint(storage, c.rel), dict(c.metrics)) for c in ranked]
+        (StorageCheckpoint(storage, c.rel), dict(c.metrics)) for c in ranked
+    ]
     return TorchTrainerResult(
         # fit() raises instead of returning an error: Ray's field type (its TrainingFailedError) is moot
-        metrics=result.metrics, checkpoint=result.checkpoint, error=cast(Any, result.error),
-        path=storage.path(name), _storage_filesystem=storage.fs, best_checkpoints=best,
+        metrics=result.metrics,
+        checkpoint=result.checkpoint,
+        error=cast(Any, result.error),
+        path=storage.path(name),
+        _storage_filesystem=storage.fs,
+        best_checkpoints=best,
         metrics_dataframe=pd.DataFrame([m for _, m in best]) if best else None,
-        return_value=result.return_value, world_sizes=list(result.world_sizes), restarts=result.restarts,
+        return_value=result.return_value,
+        world_sizes=list(result.world_sizes),
+        restarts=result.restarts,
     )

@@ -84,8 +84,18 @@ class TrainContext:
 class Session:
     """Per-process state of the running attempt; thread-safe where the actor polls."""
 
-    def __init__(self, *, spec: GroupSpec, storage, run_rel: str, run_name: str, restore: RestoreInfo,
-                 uploader=None, async_upload: bool = True, persist_every: Optional[int] = None):
+    def __init__(
+        self,
+        *,
+        spec: GroupSpec,
+        storage,
+        run_rel: str,
+        run_name: str,
+        restore: RestoreInfo,
+        uploader=None,
+        async_upload: bool = True,
+        persist_every: Optional[int] = None,
+    ):
         self.spec = spec
         self.persist_every = persist_every
         self.uploader = uploader
@@ -113,8 +123,12 @@ class Session:
         self.data: Any = None
 
     # -- called from the train thread -------------------------------------------------
-    def report(self, metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None,
-               checkpoint_dir_name: Optional[str] = None) -> None:
+    def report(
+        self,
+        metrics: Dict[str, Any],
+        checkpoint: Optional[Checkpoint] = None,
+        checkpoint_dir_name: Optional[str] = None,
+    ) -> None:
         """``checkpoint_dir_name``: upload the checkpoint into ``<run>/<name>/`` (Ray Train's
         layout; the caller has checked the name: ``checkpoint.manager.named_dir_problem``)
         instead of ``<run>/checkpoints/checkpoint_<index>-e<epoch>/``."""
@@ -133,8 +147,11 @@ class Session:
         if persist and writer is not None:
             record.checkpoint_rel = checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
             record.wait_s = self.uploader.submit_lazy(
-                writer, f"e{self.spec.epoch}-{record.index}-r{self.spec.rank}", record.checkpoint_rel,
-                self._on_uploaded(record, snapshot=True))
+                writer,
+                f"e{self.spec.epoch}-{record.index}-r{self.spec.rank}",
+                record.checkpoint_rel,
+                self._on_uploaded(record, snapshot=True),
+            )
         else:
             self._append(record)
         self._maybe_stop(record.index)
@@ -173,8 +190,14 @@ class Session:
             self._index += 1
             index = self._index
         skipped, self._skip_next = self._skip_next, None
-        return ReportRecord(index=index, rank=self.spec.rank, epoch=self.spec.epoch, ts=time.time(),
-                            metrics=dict(metrics or {}), persist_skipped=skipped)
+        return ReportRecord(
+            index=index,
+            rank=self.spec.rank,
+            epoch=self.spec.epoch,
+            ts=time.time(),
+            metrics=dict(metrics or {}),
+            persist_skipped=skipped,
+        )
 
     def _maybe_stop(self, index: int) -> None:
         """Unwind after this report if the controller asked for it (resize, abort)."""
@@ -191,6 +214,7 @@ class Session:
         failure: the state is still in memory and the next persisted snapshot tries again.
         Other errors (a permanent one: credentials, a missing bucket) fail the attempt as
         for any checkpoint."""
+
         def done(res) -> None:
             record.upload_s = res.upload_s
             if res.files:
@@ -202,7 +226,8 @@ class Session:
             elif res.error is not None:
                 self._upload_error = CheckpointError(
                     f"rank {self.spec.rank}: could not persist checkpoint {record.index} to "
-                    f"{self.storage.uri}/{record.checkpoint_rel}: {res.error}")
+                    f"{self.storage.uri}/{record.checkpoint_rel}: {res.error}"
+                )
             else:
                 self._append(record)
 
@@ -227,8 +252,9 @@ class Session:
         if self.data is not None:  # the split datasets' positions, next to the user's files
             self.data.write_positions(staged)
         record.stage_s = time.perf_counter() - start
-        record.checkpoint_rel = (f"{self.run_rel}/{dir_name}" if dir_name
-                                 else checkpoint_rel(self.run_rel, record.index, self.spec.epoch))
+        record.checkpoint_rel = (
+            f"{self.run_rel}/{dir_name}" if dir_name else checkpoint_rel(self.run_rel, record.index, self.spec.epoch)
+        )
         self.last_files_index, self.last_files_rel = record.index, record.checkpoint_rel
         record.wait_s = self.uploader.submit(staged, record.checkpoint_rel, self._on_uploaded(record))
         if not self.async_upload:
@@ -244,7 +270,8 @@ class Session:
         if self.data is None:
             raise KeyError(
                 f"get_dataset_shard({name!r}): the trainer was given no datasets. Fix: pass "
-                "datasets={name: ray.data.Dataset} to TorchTrainer / ElasticTrainer.")
+                "datasets={name: ray.data.Dataset} to TorchTrainer / ElasticTrainer."
+            )
         return self.data.get(name)
 
     def get_checkpoint(self) -> Optional[Checkpoint]:

@@ -61,13 +61,29 @@ class ElasticState:
     ``load_state_dict()``, by name; each is snapshotted, persisted and restored like the
     LR scheduler (its state dict must load back with ``weights_only=True``)."""
 
-    def __init__(self, *, model: Optional[torch.nn.Module] = None,
-                 optimizer: Optional[torch.optim.Optimizer] = None, lr_scheduler: Any = None,
-                 loader: Any = None, persist_every: Optional[int] = None, snapshot_every: int = 1,
-                 async_snapshot: bool = True, striped: bool = True, engine: Any = None,
-                 stateful: Optional[Mapping[str, Any]] = None, lean_snapshots: bool = False, **attrs: Any):
-        check_state_args(persist_every=persist_every, snapshot_every=snapshot_every,
-                         async_snapshot=async_snapshot, striped=striped, lean_snapshots=lean_snapshots)
+    def __init__(
+        self,
+        *,
+        model: Optional[torch.nn.Module] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        lr_scheduler: Any = None,
+        loader: Any = None,
+        persist_every: Optional[int] = None,
+        snapshot_every: int = 1,
+        async_snapshot: bool = True,
+        striped: bool = True,
+        engine: Any = None,
+        stateful: Optional[Mapping[str, Any]] = None,
+        lean_snapshots: bool = False,
+        **attrs: Any,
+    ):
+        check_state_args(
+            persist_every=persist_every,
+            snapshot_every=snapshot_every,
+            async_snapshot=async_snapshot,
+            striped=striped,
+            lean_snapshots=lean_snapshots,
+        )
         model = engine_module(engine, model, optimizer)
         extra = check_stateful(stateful)
         registry = Registry(attrs)  # (checks the attributes before a session is looked up)
@@ -83,8 +99,11 @@ class ElasticState:
         object.__setattr__(self, "_snapshot_every", snapshot_every)
         object.__setattr__(self, "restored_from", "none")
         object.__setattr__(self, "_sess", sess)
-        object.__setattr__(self, "_half", tensor_half(sess, registry, model, optimizer, engine,
-                                                      async_snapshot, striped, lean_snapshots))
+        object.__setattr__(
+            self,
+            "_half",
+            tensor_half(sess, registry, model, optimizer, engine, async_snapshot, striped, lean_snapshots),
+        )
         self._restore()
 
     # -- plain attributes ----------------------------------------------------------
@@ -111,7 +130,8 @@ class ElasticState:
                 self._registry.load_plain(plain, rng)
             except ValueError as e:
                 raise SnapshotMismatchError(
-                    f"rank {sess.spec.rank}: in-memory snapshot {mem} does not fit: {e}") from None
+                    f"rank {sess.spec.rank}: in-memory snapshot {mem} does not fit: {e}"
+                ) from None
             object.__setattr__(self, "restored_from", "memory")
             return
         # Snapshots newer than where this attempt resumes are a rolled-back future (and
@@ -154,8 +174,7 @@ class ElasticState:
         STORE.add(sess.run_rel, snap, trim=not half.lean)  # listed as complete only once copied
         start()
         writer = half.writer(snap) if persist else None
-        sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), writer,
-                             persist=persist)
+        sess.report_snapshot(dict(metrics) if metrics is not None else dict(self._attrs), writer, persist=persist)
 
     def snapshot_bytes(self) -> int:
         """Host memory held by this process's snapshots."""

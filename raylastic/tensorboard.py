@@ -59,8 +59,11 @@ class _ScalarWriter:
 
     def add_scalar(self, tag: str, value: float, global_step: int, walltime: Optional[float] = None) -> None:
         summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
-        self._events.add_event(self._event(summary=summary, step=int(global_step),
-                                           wall_time=time.time() if walltime is None else float(walltime)))
+        self._events.add_event(
+            self._event(
+                summary=summary, step=int(global_step), wall_time=time.time() if walltime is None else float(walltime)
+            )
+        )
 
     def flush(self) -> None:
         self._events.flush()
@@ -84,8 +87,7 @@ class _CostMeter:
         if kind in ("price_table", "prices") and isinstance(e.get("usd_per_hour"), Mapping):
             self.prices.update({str(k): float(v) for k, v in e["usd_per_hour"].items()})
         elif kind == "worker_ready" and e.get("node_id"):
-            ntype, since, wids = self._held.get(
-                e["node_id"], (e.get("node_type") or "default", ts, set()))
+            ntype, since, wids = self._held.get(e["node_id"], (e.get("node_type") or "default", ts, set()))
             wids.add(e.get("wid"))
             self._held[e["node_id"]] = (ntype, since, wids)
         elif kind in ("worker_lost", "worker_released") and e.get("node_id") in self._held:
@@ -108,11 +110,16 @@ class TensorBoardLogger:
     """Writes a run's scalars for TensorBoard. Never raises from logging calls: a broken
     or missing TensorBoard must not stop training."""
 
-    def __init__(self, logdir: str, *, flush_secs: int = 10,
-                 samples_per_step: Optional[float] = None,
-                 writer_factory: Optional[Callable[[str, int], Any]] = None,
-                 upload: Optional[Callable[[str], None]] = None,
-                 sync_interval_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        logdir: str,
+        *,
+        flush_secs: int = 10,
+        samples_per_step: Optional[float] = None,
+        writer_factory: Optional[Callable[[str, int], Any]] = None,
+        upload: Optional[Callable[[str], None]] = None,
+        sync_interval_s: float = 30.0,
+    ) -> None:
         self.logdir = logdir
         self._flush_secs = flush_secs
         self._samples_per_step = samples_per_step
@@ -152,7 +159,8 @@ class TensorBoardLogger:
                 if not self._disabled:
                     logger.warning(
                         "TensorBoard logging disabled: neither tensorboard nor tensorboardX "
-                        "could be imported (pip install tensorboard)")
+                        "could be imported (pip install tensorboard)"
+                    )
                 self._disabled = True
         return self._writer
 
@@ -172,8 +180,7 @@ class TensorBoardLogger:
         except Exception as e:  # noqa: BLE001
             logger.warning("TensorBoard: could not log %s: %s", name, e)
 
-    def log_metrics(self, index: int, metrics: Mapping[str, Any], world_size: int,
-                    ts: Optional[float] = None) -> None:
+    def log_metrics(self, index: int, metrics: Mapping[str, Any], world_size: int, ts: Optional[float] = None) -> None:
         """One rank-0 report: its numeric metrics, world size, throughput, cost so far."""
         if self._get_writer() is None:
             return
@@ -192,8 +199,7 @@ class TensorBoardLogger:
             steps_per_s = (index - prev[0]) / (ts - prev[1])
             self.log_scalar("elastic/steps_per_s", steps_per_s, index, ts)
             if self._samples_per_step:
-                self.log_scalar("elastic/samples_per_s", steps_per_s * self._samples_per_step,
-                                index, ts)
+                self.log_scalar("elastic/samples_per_s", steps_per_s * self._samples_per_step, index, ts)
         self._prev = (index, ts, world_size)
         cost = self._cost.cost_usd(ts)
         if cost is not None:

@@ -57,9 +57,16 @@ class ElasticTrainer:
     on the survivors and restoring the last committed checkpoint. See the README.
     """
 
-    def __init__(self, train_func: Callable, *, train_loop_config: Optional[Dict[str, Any]] = None,
-                 scaling_config: Optional[ScalingConfig] = None, run_config: Optional[RunConfig] = None,
-                 datasets: Optional[Dict[str, Any]] = None, dataset_config: Any = None):
+    def __init__(
+        self,
+        train_func: Callable,
+        *,
+        train_loop_config: Optional[Dict[str, Any]] = None,
+        scaling_config: Optional[ScalingConfig] = None,
+        run_config: Optional[RunConfig] = None,
+        datasets: Optional[Dict[str, Any]] = None,
+        dataset_config: Any = None,
+    ):
         if not callable(train_func):
             raise ConfigError(
                 f"train_func must be a callable taking (config) or (), got "
@@ -67,17 +74,19 @@ class ElasticTrainer:
                 "ElasticTrainer(train_func, ...), not train_func()."
             )
         if train_loop_config is not None and not isinstance(train_loop_config, dict):
-            raise ConfigError(
-                f"train_loop_config must be a dict or None, got {type(train_loop_config).__name__}."
-            )
+            raise ConfigError(f"train_loop_config must be a dict or None, got {type(train_loop_config).__name__}.")
         scaling_config = scaling_config or ScalingConfig()
         run_config = run_config or RunConfig()
         if not isinstance(scaling_config, ScalingConfig):
-            raise ConfigError("scaling_config must be a raylastic.ScalingConfig "
-                              f"(got {type(scaling_config).__module__}.{type(scaling_config).__name__}).")
+            raise ConfigError(
+                "scaling_config must be a raylastic.ScalingConfig "
+                f"(got {type(scaling_config).__module__}.{type(scaling_config).__name__})."
+            )
         if not isinstance(run_config, RunConfig):
-            raise ConfigError("run_config must be a raylastic.RunConfig "
-                              f"(got {type(run_config).__module__}.{type(run_config).__name__}).")
+            raise ConfigError(
+                "run_config must be a raylastic.RunConfig "
+                f"(got {type(run_config).__module__}.{type(run_config).__name__})."
+            )
         _check_picklable(train_func, "train_func")
         _check_picklable(train_loop_config, "train_loop_config")
         self._datasets: Dict[str, Any] = {}
@@ -105,8 +114,10 @@ class ElasticTrainer:
         # "s3://bucket" is a bucket, not a run: without this it would split into "s3:/" (a
         # *local* directory) and "bucket".
         if not name or not storage_path or (sep and "/" not in rest.strip("/")):
-            raise ConfigError(f"restore(path={path!r}): expected <storage_path>/<run name>, e.g. "
-                              f"{(scheme + '://bucket/prefix') if sep else '/mnt/runs'}/my-run.")
+            raise ConfigError(
+                f"restore(path={path!r}): expected <storage_path>/<run name>, e.g. "
+                f"{(scheme + '://bucket/prefix') if sep else '/mnt/runs'}/my-run."
+            )
         run = kwargs.pop("run_config", None) or RunConfig()
         run = replace(run, name=name, storage_path=storage_path)
         return cls(train_func, run_config=run, **kwargs)
@@ -121,8 +132,10 @@ class ElasticTrainer:
         fit_ts = time.time()  # a capacity deadline counts from here
         cap = self._scaling.capacity
         if cap is not None and cap.deadline_s is not None and self._run.total_steps is None:
-            raise ConfigError("CapacityPolicy.deadline_s needs the run's length to plan for it: set "
-                              "RunConfig.total_steps (the number of reports the run makes)")
+            raise ConfigError(
+                "CapacityPolicy.deadline_s needs the run's length to plan for it: set "
+                "RunConfig.total_steps (the number of reports the run makes)"
+            )
         storage = Storage(self._run.storage_path, retry=self._run.storage_retry)  # bad URIs/credentials fail here
         try:  # a bad RAYLASTIC_PREEMPTION_SOURCES fails here, not in every worker
             sources_from_env()
@@ -136,8 +149,9 @@ class ElasticTrainer:
         finally:
             lease.release()
 
-    def _start(self, storage: Storage, lease: RunLease, epoch_floor: int, raise_on_error: bool,
-               fit_ts: float) -> Result:
+    def _start(
+        self, storage: Storage, lease: RunLease, epoch_floor: int, raise_on_error: bool, fit_ts: float
+    ) -> Result:
         if not ray.is_initialized():
             ray.init(log_to_driver=True)
         if self._scaling.validate_resources:
@@ -150,40 +164,65 @@ class ElasticTrainer:
         # node (the workers it owns would die with it). Soft node affinity is not enough:
         # Ray spills a zero-CPU actor off a zero-CPU head.
         controller_cls = ray.remote(Controller).options(
-            num_cpus=0, max_concurrency=4, max_restarts=0, resources={HEAD_RESOURCE: 0.001},
+            num_cpus=0,
+            max_concurrency=4,
+            max_restarts=0,
+            resources={HEAD_RESOURCE: 0.001},
         )
         train_func, plan = self._train_func, None
         if self._datasets:
             from raylastic.data.ray_data import WithDatasets, resolve_datasets, start_coordinators
 
-            plan = start_coordinators(resolve_datasets(self._datasets), self._split, {HEAD_RESOURCE: 0.001},
-                                      self._dataset_config)
+            plan = start_coordinators(
+                resolve_datasets(self._datasets), self._split, {HEAD_RESOURCE: 0.001}, self._dataset_config
+            )
             train_func = WithDatasets(train_func, plan)
         try:
             if plan is None:
-                return self._fit(storage, controller_cls, train_func, raise_on_error, fit_ts,
-                                 lease=lease, epoch_floor=epoch_floor)
+                return self._fit(
+                    storage, controller_cls, train_func, raise_on_error, fit_ts, lease=lease, epoch_floor=epoch_floor
+                )
             from raylastic.data.reservation import TrainingReservation
 
             # Ray Data must not take the CPUs a worker needs after a resize (reservation.py).
-            with TrainingReservation(f"raylastic-{self._name}", self._scaling.worker_resources(),
-                                     self._scaling.max_workers or self._scaling.min_workers):
-                return self._fit(storage, controller_cls, train_func, raise_on_error, fit_ts,
-                                 lease=lease, epoch_floor=epoch_floor)
+            with TrainingReservation(
+                f"raylastic-{self._name}",
+                self._scaling.worker_resources(),
+                self._scaling.max_workers or self._scaling.min_workers,
+            ):
+                return self._fit(
+                    storage, controller_cls, train_func, raise_on_error, fit_ts, lease=lease, epoch_floor=epoch_floor
+                )
         finally:
             if plan is not None:
                 from raylastic.data.ray_data import stop_coordinators
 
                 stop_coordinators(plan)
 
-    def _fit(self, storage: Storage, controller_cls, train_func: Callable, raise_on_error: bool,
-             fit_ts: Optional[float] = None, *, lease: Optional[RunLease] = None,
-             epoch_floor: int = 0) -> Result:
+    def _fit(
+        self,
+        storage: Storage,
+        controller_cls,
+        train_func: Callable,
+        raise_on_error: bool,
+        fit_ts: Optional[float] = None,
+        *,
+        lease: Optional[RunLease] = None,
+        epoch_floor: int = 0,
+    ) -> Result:
         # Put, not passed: the controller hands the reference on and never loads the function.
         func = TrainFunc(ray.put(train_func))
         controller = controller_cls.remote(
-            func, self._config, self._scaling, self._run, storage, self._name, self._name,
-            fit_ts=fit_ts, epoch_floor=epoch_floor, hooks=self._hooks,
+            func,
+            self._config,
+            self._scaling,
+            self._run,
+            storage,
+            self._name,
+            self._name,
+            fit_ts=fit_ts,
+            epoch_floor=epoch_floor,
+            hooks=self._hooks,
         )
         run_ref = controller.run.remote()
         progress = ProgressLine(enabled=self._run.progress, total_steps=self._run.total_steps)
@@ -195,8 +234,12 @@ class ElasticTrainer:
             try:
                 outcome = ray.get(run_ref, timeout=60)
             except BaseException:  # noqa: BLE001 - second Ctrl-C or timeout: kill
-                outcome = {"error": TrainingAborted("training was interrupted"), "metrics": {},
-                           "checkpoint_rel": None, "world_sizes": []}
+                outcome = {
+                    "error": TrainingAborted("training was interrupted"),
+                    "metrics": {},
+                    "checkpoint_rel": None,
+                    "world_sizes": [],
+                }
             ray.kill(controller, no_restart=True)
             raise KeyboardInterrupt from None
         finally:

@@ -165,9 +165,18 @@ class TrainFunc:
     ref: Any  # ray.ObjectRef
 
 
-
-
 __all__ = [
-    "PROTOCOL_VERSION", "ExportedShards", "GroupSpec", "Holdings", "PersistedSnapshot", "PollResult",
-    "ReportRecord", "RestoreInfo", "StopAnswer", "StoreAddress", "TrainFunc", "WorkerInfo", "WorkerStatus",
+    "PROTOCOL_VERSION",
+    "ExportedShards",
+    "GroupSpec",
+    "Holdings",
+    "PersistedSnapshot",
+    "PollResult",
+    "ReportRecord",
+    "RestoreInfo",
+    "StopAnswer",
+    "StoreAddress",
+    "TrainFunc",
+    "WorkerInfo",
+    "WorkerStatus",
 ]

@@ -86,9 +86,14 @@ class ReportProgress:
                 _wait_exists(sess, f"{rel}/{MANIFEST}", deadline)
         committed = [c for c in committed_checkpoints(sess.storage, sess.run_rel) if c.index <= index]
         r = self.retention
-        return [ReportedCheckpoint(checkpoint=StorageCheckpoint(sess.storage, c.rel), metrics=dict(c.metrics),
-                                   status=ReportedCheckpointStatus.COMMITTED)
-                for c in scoring.kept(committed, r.num_to_keep, r.score_attribute, r.score_order)]
+        return [
+            ReportedCheckpoint(
+                checkpoint=StorageCheckpoint(sess.storage, c.rel),
+                metrics=dict(c.metrics),
+                status=ReportedCheckpointStatus.COMMITTED,
+            )
+            for c in scoring.kept(committed, r.num_to_keep, r.score_attribute, r.score_order)
+        ]
 
     def _others_files(self, spec: Any, index: int, deadline: float, quiet: bool = False) -> Tuple[int, str]:
         """The newest index with files among the other ranks' reports up to ``index``, and
@@ -101,7 +106,8 @@ class ReportProgress:
             store.wait(keys, datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except Exception as e:  # a rank that never gets there (lost, finished early): list what is there
             (logger.debug if quiet else logger.warning)(
-                "get_all_reported_checkpoints: not every rank reached report %d in time (%s)", index, e)
+                "get_all_reported_checkpoints: not every rank reached report %d in time (%s)", index, e
+            )
             return -1, ""
         published = [store.get(k).decode().partition("|") for k in keys]
         return max((int(files), rel) for files, _, rel in published)
@@ -143,12 +149,14 @@ def _wait_exists(sess: Any, rel: str, deadline: float, quiet: bool = False) -> N
     while not sess.storage.exists(rel):
         if time.monotonic() >= deadline or sess.aborted:
             (logger.debug if quiet else logger.warning)(
-                "get_all_reported_checkpoints: %s not committed in time; listing what is", rel)
+                "get_all_reported_checkpoints: %s not committed in time; listing what is", rel
+            )
             return
         time.sleep(0.05)
 
 
 # -- ``ray.train.report(checkpoint_dir_name=...)``: Ray Train's checkpoint directory names --
+
 
 def _files_rel(sess: Any, index: int) -> str:
     """The directory this rank's checkpoint files of report ``index`` went to ("" for -1):
@@ -172,8 +180,11 @@ def usable_dir_name(name: Any) -> Optional[str]:
     problem = named_dir_problem(name)
     if problem is None:
         return name
-    logger.warning("report(checkpoint_dir_name=%r) ignored: %s; the checkpoint goes to "
-                   "checkpoints/checkpoint_<index>-e<epoch>/", name, problem)
+    logger.warning(
+        "report(checkpoint_dir_name=%r) ignored: %s; the checkpoint goes to checkpoints/checkpoint_<index>-e<epoch>/",
+        name,
+        problem,
+    )
     return None
 
 
@@ -210,17 +221,18 @@ def write_ray_snapshot(storage: Any, run_rel: str, cc: Any) -> None:
     prefix = f"{run_rel}/"
 
     def state(c: Any) -> dict:
-        return {"version": 0, "checkpoint_dir_name": c.rel[len(prefix):], "metrics": dict(c.metrics)}
+        return {"version": 0, "checkpoint_dir_name": c.rel[len(prefix) :], "metrics": dict(c.metrics)}
 
     snapshot = {
         "ray_version": ray.__version__,
         "checkpoint_results": [state(c) for c in kept],
         "checkpoint_report_indices": [c.index for c in kept],
         "latest_checkpoint_result": state(committed[-1]) if committed else None,
-        "pending_training_results": [], "pending_validation_specs": [],
+        "pending_training_results": [],
+        "pending_validation_specs": [],
         "current_report_index": len(committed),
-        "validated_checkpoint_dir_names": [], "timed_out_validation_checkpoint_dir_names": [],
+        "validated_checkpoint_dir_names": [],
+        "timed_out_validation_checkpoint_dir_names": [],
         "failed_validation_checkpoint_dir_names": [],
     }
-    storage.write_bytes(f"{run_rel}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}",
-                        json.dumps(snapshot, default=str).encode())
+    storage.write_bytes(f"{run_rel}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}", json.dumps(snapshot, default=str).encode())

@@ -80,9 +80,16 @@ class RayTrainAdapter(TrainFnUtils):
         # runs keep raylastic's checkpoints/ layout.
         self.names_dirs = False
 
-    def report(self, metrics: Dict[str, Any], checkpoint=None, checkpoint_dir_name=None,
-               checkpoint_upload_mode=None, delete_local_checkpoint_after_upload=None,
-               checkpoint_upload_fn=None, validation=False) -> None:
+    def report(
+        self,
+        metrics: Dict[str, Any],
+        checkpoint=None,
+        checkpoint_dir_name=None,
+        checkpoint_upload_mode=None,
+        delete_local_checkpoint_after_upload=None,
+        checkpoint_upload_fn=None,
+        validation=False,
+    ) -> None:
         name = None
         if self.names_dirs and checkpoint is not None and checkpoint_dir_name is not None:
             name = usable_dir_name(checkpoint_dir_name)

@@ -86,8 +86,9 @@ class ControllerFailed(TrainingFailedError, ControllerError):
     def __init__(self, reason: str, failures: Sequence[RankFailure] = (), cause: Optional[BaseException] = None):
         _init_ours(self, reason, failures)
         self.controller_failure = cause if isinstance(cause, Exception) else RuntimeError(reason)
-        Exception.__init__(self, "Training failed due to controller error:\n"
-                           + str(TrainingFailedError(reason, self.failures)))
+        Exception.__init__(
+            self, "Training failed due to controller error:\n" + str(TrainingFailedError(reason, self.failures))
+        )
 
     def __reduce__(self):
         return (ControllerFailed, (self.reason, self.failures, self.controller_failure))

@@ -95,8 +95,14 @@ class RayTrainHooks(RunHooks):
     (Ray's ``TrainRunContext`` of the trainer's configs). ``storage_path`` is where the
     run's checkpoints are, for the ``checkpoint`` given to ``after_report``."""
 
-    def __init__(self, backend_config: Any, callbacks: Sequence[Any], run_context: Any, storage_path: str,
-                 resources_per_worker: Dict[str, float]):
+    def __init__(
+        self,
+        backend_config: Any,
+        callbacks: Sequence[Any],
+        run_context: Any,
+        storage_path: str,
+        resources_per_worker: Dict[str, float],
+    ):
         self._backend_config = backend_config
         self._callbacks = list(callbacks)
         self._run_context = run_context
@@ -124,8 +130,12 @@ class RayTrainHooks(RunHooks):
                 dead = group.dead_members()
                 if not dead:  # Ray said a worker is gone and none is: not a loss to handle
                     raise _ended_by(f"{type(backend).__name__}.{hook.__name__}", e) from e
-                logger.warning("epoch %d: a worker died during %s.%s; handling it as a loss",
-                               epoch, type(backend).__name__, hook.__name__)
+                logger.warning(
+                    "epoch %d: a worker died during %s.%s; handling it as a loss",
+                    epoch,
+                    type(backend).__name__,
+                    hook.__name__,
+                )
                 raise MembersLost(PollBatch(lost=[m for m in members if m.wid in dead], causes=dead)) from e
             except Exception as e:  # noqa: BLE001 - the user's hook: it ends the run, as in Ray Train
                 raise _ended_by(f"{type(backend).__name__}.{hook.__name__}", e) from e
@@ -138,8 +148,11 @@ class RayTrainHooks(RunHooks):
         try:
             backend.on_shutdown(group, self._backend_config)
         except (RayActorError, RayTaskError):  # as in Ray Train: expected when a worker crashed
-            logger.warning("%s.on_shutdown failed on a worker; expected if one of the workers is gone",
-                           type(backend).__name__, exc_info=True)
+            logger.warning(
+                "%s.on_shutdown failed on a worker; expected if one of the workers is gone",
+                type(backend).__name__,
+                exc_info=True,
+            )
         except Exception as e:  # noqa: BLE001 - the user's hook: it ends the run, as in Ray Train
             return _ended_by(f"{type(backend).__name__}.on_shutdown", e)
         return None
@@ -157,8 +170,11 @@ class RayTrainHooks(RunHooks):
                 continue
             del self._reports[rec.index]
             ckpt = next((c for c in committed if c.index == rec.index and c.epoch == rec.epoch), None)
-            self._call("after_report", metrics=[ranks[r] for r in range(self._world)],
-                       checkpoint=self._checkpoint(ckpt.rel) if ckpt is not None else None)
+            self._call(
+                "after_report",
+                metrics=[ranks[r] for r in range(self._world)],
+                checkpoint=self._checkpoint(ckpt.rel) if ckpt is not None else None,
+            )
 
     def failed(self, failures: List[Any]) -> None:
         if not self._callbacks or not failures:
@@ -188,8 +204,9 @@ def _ended_by(where: str, error: BaseException) -> ControllerFailed:
     travel to the driver)."""
     from ray import cloudpickle
 
-    logger.error("%s raised %s: %s; ending the run (as Ray Train does)", where, type(error).__name__, error,
-                 exc_info=error)
+    logger.error(
+        "%s raised %s: %s; ending the run (as Ray Train does)", where, type(error).__name__, error, exc_info=error
+    )
     cause: Exception = error if isinstance(error, Exception) else RuntimeError(str(error))
     try:
         cloudpickle.loads(cloudpickle.dumps(cause))

@@ -99,19 +99,28 @@ class LocalOutcome:
 class LocalRun:
     """One local-mode run of a train function in this process (see the module docstring)."""
 
-    def __init__(self, func: Callable, train_loop_config: Optional[Dict[str, Any]], torch_config: Any,
-                 experiment_name: str, datasets: Optional[Dict[str, Any]] = None,
-                 resume_from_checkpoint: Any = None):
+    def __init__(
+        self,
+        func: Callable,
+        train_loop_config: Optional[Dict[str, Any]],
+        torch_config: Any,
+        experiment_name: str,
+        datasets: Optional[Dict[str, Any]] = None,
+        resume_from_checkpoint: Any = None,
+    ):
         from ray.train.torch import TorchConfig
         from ray.train.v2._internal.util import construct_train_func
 
         if train_loop_config is not None and not isinstance(train_loop_config, dict):
-            raise ConfigError(f"TorchTrainer: train_loop_config must be a dict or None, got "
-                              f"{type(train_loop_config).__name__}. Fix: pass a dict, or leave it out.")
+            raise ConfigError(
+                f"TorchTrainer: train_loop_config must be a dict or None, got "
+                f"{type(train_loop_config).__name__}. Fix: pass a dict, or leave it out."
+            )
         backend_config = torch_config if torch_config is not None else TorchConfig()
         try:
-            self.train_fn = construct_train_func(func, train_loop_config, backend_config.train_func_context,
-                                                 fn_arg_name="train_loop_per_worker")
+            self.train_fn = construct_train_func(
+                func, train_loop_config, backend_config.train_func_context, fn_arg_name="train_loop_per_worker"
+            )
         except ValueError as e:
             raise ConfigError(f"TorchTrainer: {e} Fix: define it as train_func(config) or train_func().") from None
         self.experiment_name = experiment_name
@@ -136,7 +145,8 @@ class LocalRun:
                     "TorchTrainer(datasets=...) with ScalingConfig(num_workers=0) under torchrun "
                     f"(WORLD_SIZE={os.environ['WORLD_SIZE']}): Ray Data is not supported in local mode with "
                     "several processes (the same in Ray Train). Fix: run one process, or pass "
-                    "num_workers >= 1 and start the script with python, not torchrun.")
+                    "num_workers >= 1 and start the script with python, not torchrun."
+                )
             if not dist.is_initialized():
                 dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
                 formed = True
@@ -146,15 +156,25 @@ class LocalRun:
             if torch.cuda.is_available():
                 torch.cuda.set_device(local_rank)
         previous = _tfu._train_fn_utils
-        utils = LocalFnUtils(experiment_name=self.experiment_name, dataset_shards=datasets,
-                             world_size=world_size, world_rank=rank, local_rank=local_rank,
-                             local_world_size=local_world_size, node_rank=node_rank,
-                             initial=self.resume_from_checkpoint)
+        utils = LocalFnUtils(
+            experiment_name=self.experiment_name,
+            dataset_shards=datasets,
+            world_size=world_size,
+            world_rank=rank,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            node_rank=node_rank,
+            initial=self.resume_from_checkpoint,
+        )
         set_train_fn_utils(utils)
         try:
             value = self.train_fn()
-            return LocalOutcome(metrics=dict(utils._get_last_metrics() or {}), checkpoint=utils.latest_reported(),
-                                return_value=value, world_size=world_size)
+            return LocalOutcome(
+                metrics=dict(utils._get_last_metrics() or {}),
+                checkpoint=utils.latest_reported(),
+                return_value=value,
+                world_size=world_size,
+            )
         finally:
             set_train_fn_utils(previous)
             if formed and dist.is_initialized():

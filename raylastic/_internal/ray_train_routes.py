@@ -27,14 +27,17 @@ _on_ray_train: Optional[Callable[[], None]] = None
 
 # Ray's integration module -> (its package, raylastic's elastic integration module).
 _ROUTES = {
-    "ray.train.huggingface.transformers._transformers_utils":
-        ("ray.train.huggingface.transformers", "raylastic.integrations.transformers"),
+    "ray.train.huggingface.transformers._transformers_utils": (
+        "ray.train.huggingface.transformers",
+        "raylastic.integrations.transformers",
+    ),
     "ray.train.lightning._lightning_utils": ("ray.train.lightning", "raylastic.integrations.lightning"),
 }
 
 
 def _routed_prepare_trainer(ray_prepare, ray_module: str):
     """Ray's ``prepare_trainer`` followed by raylastic's, while a raylastic session runs."""
+
     def prepare_trainer(trainer):
         trainer = ray_prepare(trainer)  # Ray Data iterables as train/eval datasets keep working
         if _session._session is None:  # not in a raylastic train function: Ray's behaviour

@@ -34,24 +34,45 @@ import torch
 from raylastic._internal.validate import is_int
 from raylastic.errors import ConfigError
 
-_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray,
-                    torch.Size, torch.dtype, torch.device, torch.Tensor, torch.nn.Parameter})
+_ATOMS = frozenset(
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        bytes,
+        bytearray,
+        torch.Size,
+        torch.dtype,
+        torch.device,
+        torch.Tensor,
+        torch.nn.Parameter,
+    }
+)
 _SEQUENCES = (list, tuple, set)
 _MAPPINGS = (dict, OrderedDict, Counter)
 _PLAIN = "plain Python values (None, bool, int, float, str, bytes), tensors, or lists, tuples, dicts and sets of them"
 
 
-def check_state_args(*, persist_every: Any, snapshot_every: Any, async_snapshot: Any, striped: Any,
-                     lean_snapshots: Any = False) -> None:
+def check_state_args(
+    *, persist_every: Any, snapshot_every: Any, async_snapshot: Any, striped: Any, lean_snapshots: Any = False
+) -> None:
     """``ElasticState``'s own keyword arguments (a bool is not a count)."""
+
     def bad(name: str, value: Any, want: str, fix: str) -> ConfigError:
         return ConfigError(f"ElasticState({name}={value!r}) must be {want}. Fix: {fix}.")
 
     if not is_int(snapshot_every) or snapshot_every < 1:
         raise bad("snapshot_every", snapshot_every, "an int >= 1", "pass 1 (every commit) or k (every k-th)")
     if persist_every is not None and (not is_int(persist_every) or persist_every < 1):
-        raise bad("persist_every", persist_every, "an int >= 1 or None (CheckpointConfig.persist_every)",
-                  "pass N to write every N-th snapshot to storage, or leave it out")
+        raise bad(
+            "persist_every",
+            persist_every,
+            "an int >= 1 or None (CheckpointConfig.persist_every)",
+            "pass N to write every N-th snapshot to storage, or leave it out",
+        )
     for name, value in (("async_snapshot", async_snapshot), ("striped", striped), ("lean_snapshots", lean_snapshots)):
         if not isinstance(value, bool):
             raise bad(name, value, "True or False", f"pass {name}=True or {name}=False")
@@ -70,8 +91,9 @@ def storable_plain(plain: Dict[str, Any], labels: Optional[Dict[str, str]] = Non
     (default ``ElasticState(<name>=...)``)."""
     labels = labels or {}
     plain["attrs"] = {k: storable_attr(k, v) for k, v in plain["attrs"].items()}
-    plain["_objects"] = {k: storable(v, f"{labels.get(k, f'ElasticState({k}=...)')}.state_dict()")
-                         for k, v in plain["_objects"].items()}
+    plain["_objects"] = {
+        k: storable(v, f"{labels.get(k, f'ElasticState({k}=...)')}.state_dict()") for k, v in plain["_objects"].items()
+    }
     return plain
 
 
@@ -92,16 +114,20 @@ def storable(value: Any, where: str, _path: Optional[Set[int]] = None) -> Any:
         path.add(id(value))
         try:
             if t in _MAPPINGS:
-                items = [(storable(k, f"{where} key {k!r}", path), storable(v, f"{where}[{k!r}]", path))
-                         for k, v in value.items()]
+                items = [
+                    (storable(k, f"{where} key {k!r}", path), storable(v, f"{where}[{k!r}]", path))
+                    for k, v in value.items()
+                ]
                 if all(k2 is k and v2 is v for (k2, v2), (k, v) in zip(items, value.items())):
                     return value
                 out: Any = t()  # dict, OrderedDict or Counter
                 for k, v in items:
                     out[k] = v
                 return out
-            items = [storable(v, f"{where} element {v!r}" if t is set else f"{where}[{i}]", path)
-                     for i, v in enumerate(value)]
+            items = [
+                storable(v, f"{where} element {v!r}" if t is set else f"{where}[{i}]", path)
+                for i, v in enumerate(value)
+            ]
             return value if all(a is b for a, b in zip(items, value)) else t(items)
         finally:
             path.discard(id(value))
@@ -110,9 +136,11 @@ def storable(value: Any, where: str, _path: Optional[Set[int]] = None) -> Any:
         return converted
     if t in _safe_globals():
         return value
-    raise ConfigError(f"{where} is a {_name(t)}: it would be saved with the snapshot, "
-                      "then refused by torch.load(weights_only=True) when a restore reads it back from "
-                      f"storage. ElasticState holds {_PLAIN}. Fix: {_fix(value)}.")
+    raise ConfigError(
+        f"{where} is a {_name(t)}: it would be saved with the snapshot, "
+        "then refused by torch.load(weights_only=True) when a restore reads it back from "
+        f"storage. ElasticState holds {_PLAIN}. Fix: {_fix(value)}."
+    )
 
 
 _NOT_NUMPY = object()
@@ -140,15 +168,28 @@ def _fix(value: Any) -> str:
     if np is not None and isinstance(value, np.generic):
         return "convert it with .item() or int()/float()/str() to a Python value"
     if isinstance(value, torch.Tensor):
-        return ("store a plain tensor (t.as_subclass(torch.Tensor)), or register the class with "
-                f"torch.serialization.add_safe_globals([{cls}]) if loading it is safe")
-    for base, plain in ((dict, "dict"), (list, "list"), (tuple, "tuple"), (set, "set"), (frozenset, "set"),
-                        (str, "str"), (int, "int"), (float, "float"), (bytes, "bytes")):
+        return (
+            "store a plain tensor (t.as_subclass(torch.Tensor)), or register the class with "
+            f"torch.serialization.add_safe_globals([{cls}]) if loading it is safe"
+        )
+    for base, plain in (
+        (dict, "dict"),
+        (list, "list"),
+        (tuple, "tuple"),
+        (set, "set"),
+        (frozenset, "set"),
+        (str, "str"),
+        (int, "int"),
+        (float, "float"),
+        (bytes, "bytes"),
+    ):
         if isinstance(value, base):  # a defaultdict, a named tuple, an IntEnum, ...
             return f"store {plain}(x), a plain {plain}"
-    return (f"store the object's plain state (numbers, strings, tensors; e.g. vars(x)) and rebuild it after "
-            f"a restore, or register the class with torch.serialization.add_safe_globals([{cls}]) if "
-            "loading it is safe")
+    return (
+        f"store the object's plain state (numbers, strings, tensors; e.g. vars(x)) and rebuild it after "
+        f"a restore, or register the class with torch.serialization.add_safe_globals([{cls}]) if "
+        "loading it is safe"
+    )
 
 
 def _safe_globals() -> Set[type]:

@@ -63,8 +63,7 @@ def is_number(value: Any) -> bool:
         return False
 
 
-def check_int(value: Any, field: str, *, minimum: Optional[int], fix: str,
-              none_means: Optional[str] = None) -> None:
+def check_int(value: Any, field: str, *, minimum: Optional[int], fix: str, none_means: Optional[str] = None) -> None:
     """An int (not a bool) >= ``minimum`` (no bound: None); None allowed when ``none_means``
     says what None means."""
     if value is None and none_means is not None:
@@ -72,26 +71,47 @@ def check_int(value: Any, field: str, *, minimum: Optional[int], fix: str,
     if is_int(value) and (minimum is None or value >= minimum):
         return
     want = "an int" + (f" >= {minimum}" if minimum is not None else "")
-    raise error(field, value, want + (f" or None ({none_means})" if none_means else ""), fix,
-                wrong_type=not is_int(value))
+    raise error(
+        field, value, want + (f" or None ({none_means})" if none_means else ""), fix, wrong_type=not is_int(value)
+    )
 
 
-def check_number(value: Any, field: str, *, minimum: Optional[float] = None, above: Optional[float] = None,
-                 maximum: Optional[float] = None, fix: str, none_means: Optional[str] = None,
-                 unit: str = "") -> None:
+def check_number(
+    value: Any,
+    field: str,
+    *,
+    minimum: Optional[float] = None,
+    above: Optional[float] = None,
+    maximum: Optional[float] = None,
+    fix: str,
+    none_means: Optional[str] = None,
+    unit: str = "",
+) -> None:
     """A finite number (not a bool) >= ``minimum`` / > ``above`` / <= ``maximum``."""
     if value is None and none_means is not None:
         return
-    ok = is_number(value) and (minimum is None or value >= minimum) and (above is None or value > above) \
+    ok = (
+        is_number(value)
+        and (minimum is None or value >= minimum)
+        and (above is None or value > above)
         and (maximum is None or value <= maximum)
+    )
     if ok:
         return
-    bounds = [f">= {minimum:g}" if minimum is not None else "", f"> {above:g}" if above is not None else "",
-              f"<= {maximum:g}" if maximum is not None else ""]
+    bounds = [
+        f">= {minimum:g}" if minimum is not None else "",
+        f"> {above:g}" if above is not None else "",
+        f"<= {maximum:g}" if maximum is not None else "",
+    ]
     want = " and ".join(b for b in bounds if b)
     want = f"a finite number{' of ' + unit if unit else ''}" + (f" {want}" if want else "")
-    raise error(field, value, want + (f" or None ({none_means})" if none_means else ""), fix,
-                wrong_type=isinstance(value, bool) or not isinstance(value, (int, float)))
+    raise error(
+        field,
+        value,
+        want + (f" or None ({none_means})" if none_means else ""),
+        fix,
+        wrong_type=isinstance(value, bool) or not isinstance(value, (int, float)),
+    )
 
 
 def check_bool(value: Any, field: str, fix: Optional[str] = None) -> None:
@@ -121,8 +141,13 @@ def check_text(value: Any, field: str, *, fix: str, optional: bool = False) -> N
         return
     if isinstance(value, str) and value.strip() and not control_chars(value):
         return
-    raise error(field, value, "a non-empty string without control characters" + (" or None" if optional else ""),
-                fix, wrong_type=not isinstance(value, str))
+    raise error(
+        field,
+        value,
+        "a non-empty string without control characters" + (" or None" if optional else ""),
+        fix,
+        wrong_type=not isinstance(value, str),
+    )
 
 
 def check_resources(value: Any, field: str) -> None:
@@ -132,15 +157,23 @@ def check_resources(value: Any, field: str) -> None:
     if value is None:
         return
     if not isinstance(value, Mapping):
-        raise error(field, value, "a dict like {'CPU': 1} or None (one CPU)",
-                    "pass e.g. resources_per_worker={'CPU': 2}", wrong_type=True)
+        raise error(
+            field,
+            value,
+            "a dict like {'CPU': 1} or None (one CPU)",
+            "pass e.g. resources_per_worker={'CPU': 2}",
+            wrong_type=True,
+        )
     for name, amount in value.items():
         if not isinstance(name, str) or not name.strip() or control_chars(name):
-            raise ConfigError(f"{field} has a bad key {name!r}: resource names are non-empty strings "
-                              "without control characters. Fix: use Ray's names ('CPU', 'GPU', 'memory') "
-                              "or a custom resource the nodes are started with.")
-        check_number(amount, f"{field}[{name!r}]", minimum=0,
-                     fix=f"pass an amount such as 1 or 0.5 (0 reserves no {name})")
+            raise ConfigError(
+                f"{field} has a bad key {name!r}: resource names are non-empty strings "
+                "without control characters. Fix: use Ray's names ('CPU', 'GPU', 'memory') "
+                "or a custom resource the nodes are started with."
+            )
+        check_number(
+            amount, f"{field}[{name!r}]", minimum=0, fix=f"pass an amount such as 1 or 0.5 (0 reserves no {name})"
+        )
 
 
 def check_reserves_something(resources: Mapping[str, float], field: str) -> None:
@@ -148,9 +181,11 @@ def check_reserves_something(resources: Mapping[str, float], field: str) -> None
     workers on any node, so placement, node-loss accounting and capacity waits mean nothing."""
     if any(v > 0 for v in resources.values()):
         return
-    raise ConfigError(f"{field}={dict(resources)!r} reserves nothing per worker: Ray would place any number "
-                      "of workers on one node. Fix: ask for at least one resource > 0, e.g. {'CPU': 1}, "
-                      "or a custom resource such as {'CPU': 0, 'trainer_slot': 1}.")
+    raise ConfigError(
+        f"{field}={dict(resources)!r} reserves nothing per worker: Ray would place any number "
+        "of workers on one node. Fix: ask for at least one resource > 0, e.g. {'CPU': 1}, "
+        "or a custom resource such as {'CPU': 0, 'trainer_slot': 1}."
+    )
 
 
 def run_name_problem(name: Any) -> Optional[str]:
@@ -174,22 +209,33 @@ def check_storage_path(value: Any, field: str) -> str:
     backends' own ``parse_uri``: scheme, no credentials in the URI, known options, no '..');
     on an object store no glob characters either (adlfs reads them as patterns and would
     list other runs). Returns the path as a string."""
-    fix_uri = ("pass a local path or s3://bucket/path, gs://bucket/path, "
-               "abfs://container@account.dfs.core.windows.net/path (docs/storage.md)")
+    fix_uri = (
+        "pass a local path or s3://bucket/path, gs://bucket/path, "
+        "abfs://container@account.dfs.core.windows.net/path (docs/storage.md)"
+    )
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str) or not value.strip() or control_chars(value):
-        raise error(field, value, "a non-empty path or URI string without control characters", fix_uri,
-                    wrong_type=not isinstance(value, str))
+        raise error(
+            field,
+            value,
+            "a non-empty path or URI string without control characters",
+            fix_uri,
+            wrong_type=not isinstance(value, str),
+        )
     if "://" not in value:
         m = _SCHEME_PREFIX.match(value)
         if m is not None:
             from raylastic.checkpoint.backends import _SCHEMES  # here: imports pyarrow
 
             if m.group(1).lower() in _SCHEMES:
-                raise error(field, value, f"a local path or a full {m.group(1)}:// URI (it would be read "
-                                          f"as a local directory named {m.group(1) + ':'!r})",
-                            f"write {m.group(1)}://bucket/path")
+                raise error(
+                    field,
+                    value,
+                    f"a local path or a full {m.group(1)}:// URI (it would be read "
+                    f"as a local directory named {m.group(1) + ':'!r})",
+                    f"write {m.group(1)}://bucket/path",
+                )
         return value
     from raylastic.checkpoint.backends import parse_uri  # here: imports pyarrow
 
@@ -198,7 +244,9 @@ def check_storage_path(value: Any, field: str) -> str:
     except ValueError as e:
         raise ConfigError(f"{field}: {e}. Fix: {fix_uri}.") from None
     if parsed.kind != "file" and any(c in _GLOB_CHARS for c in parsed.bucket + parsed.prefix):
-        raise ConfigError(f"{field}: the path in {parsed.uri!r} contains one of {_GLOB_CHARS!r}, which "
-                          "object-store listings read as patterns (they would match other runs' "
-                          "directories). Fix: use letters, digits, '-', '_', '.' and '/'.")
+        raise ConfigError(
+            f"{field}: the path in {parsed.uri!r} contains one of {_GLOB_CHARS!r}, which "
+            "object-store listings read as patterns (they would match other runs' "
+            "directories). Fix: use letters, digits, '-', '_', '.' and '/'."
+        )
     return value

@@ -24,8 +24,16 @@ logger = logging.getLogger("raylastic.checkpoint.storage")
 # ----------------------------------------------------------------------------- URIs
 
 _SECRET_QUERY_KEYS = {
-    "access_key", "secret_key", "session_token", "sas_token", "account_key",
-    "connection_string", "credential", "client_secret", "access_token", "sig",
+    "access_key",
+    "secret_key",
+    "session_token",
+    "sas_token",
+    "account_key",
+    "connection_string",
+    "credential",
+    "client_secret",
+    "access_token",
+    "sig",
 }
 _ALLOWED_QUERY = {
     "s3": {"endpoint_override", "region", "scheme", "force_virtual_addressing", "anonymous"},
@@ -34,20 +42,29 @@ _ALLOWED_QUERY = {
     "file": set(),
     "pyfs": set(),
 }
-_SCHEMES = {"": "file", "file": "file", "s3": "s3", "gs": "gs", "gcs": "gs",
-            "abfs": "az", "abfss": "az", "az": "az", "pyfs": "pyfs"}
+_SCHEMES = {
+    "": "file",
+    "file": "file",
+    "s3": "s3",
+    "gs": "gs",
+    "gcs": "gs",
+    "abfs": "az",
+    "abfss": "az",
+    "az": "az",
+    "pyfs": "pyfs",
+}
 
 
 @dataclass(frozen=True)
 class ParsedUri:
     """A storage URI split into parts, with nothing secret in it."""
 
-    kind: str            # "file" | "s3" | "gs" | "az"
-    bucket: str          # bucket / container ("" for local)
-    prefix: str          # path inside the bucket, or the absolute local path
+    kind: str  # "file" | "s3" | "gs" | "az"
+    bucket: str  # bucket / container ("" for local)
+    prefix: str  # path inside the bucket, or the absolute local path
     account: str | None  # Azure account named in the URI host, if any
     options: Mapping[str, str] = field(default_factory=dict)
-    uri: str = ""        # normalised URI
+    uri: str = ""  # normalised URI
 
 
 def parse_uri(uri: str) -> ParsedUri:
@@ -63,7 +80,8 @@ def parse_uri(uri: str) -> ParsedUri:
     if scheme not in _SCHEMES:
         raise ValueError(
             f"unsupported storage scheme {scheme!r} in {_redact(uri, ())!r}; "
-            "use a local path, file://, s3://, gs://, abfs:// or az://")
+            "use a local path, file://, s3://, gs://, abfs:// or az://"
+        )
     kind = _SCHEMES[scheme]
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
     leaked = sorted(k for k in query if k.lower() in _SECRET_QUERY_KEYS)
@@ -71,26 +89,29 @@ def parse_uri(uri: str) -> ParsedUri:
         raise ValueError(
             f"storage uri {scheme}://{parts.hostname or ''}/... carries credentials "
             f"({', '.join(leaked) or 'user:secret@'}); pass them through the environment "
-            "instead (they would be pickled to every worker and logged)")
+            "instead (they would be pickled to every worker and logged)"
+        )
     endpoint = urlsplit(query.get("endpoint_override", ""))
     if endpoint.username is not None or endpoint.password is not None or "@" in endpoint.netloc:
         raise ValueError(
             f"storage uri {scheme}://{parts.hostname or ''}/...: endpoint_override carries "
             "credentials (user:secret@); pass them through the environment instead (the URI is "
-            "logged and pickled to every worker)")
+            "logged and pickled to every worker)"
+        )
     unknown = sorted(set(query) - _ALLOWED_QUERY[kind])
     if unknown:
-        raise ValueError(f"unknown query option(s) {unknown} for {scheme}:// "
-                         f"(allowed: {sorted(_ALLOWED_QUERY[kind]) or 'none'})")
+        raise ValueError(
+            f"unknown query option(s) {unknown} for {scheme}:// (allowed: {sorted(_ALLOWED_QUERY[kind]) or 'none'})"
+        )
     if kind == "file":
         path = os.path.abspath(os.path.expanduser((parts.netloc or "") + parts.path))
         return ParsedUri("file", "", path, None, {}, path)
     if kind == "pyfs":  # pyfs://<key>/<path on that filesystem>: see filesystem_uri
         path = parts.path[1:] if parts.path.startswith("/") else parts.path
-        if not parts.netloc or not path.strip("/") or any(
-                p in ("..", ".") for p in path.strip("/").split("/")):
-            raise ValueError(f"storage uri {uri!r}: expected pyfs://<filesystem key>/<path>, "
-                             "with no '.' or '..' segments")
+        if not parts.netloc or not path.strip("/") or any(p in ("..", ".") for p in path.strip("/").split("/")):
+            raise ValueError(
+                f"storage uri {uri!r}: expected pyfs://<filesystem key>/<path>, with no '.' or '..' segments"
+            )
         return ParsedUri("pyfs", parts.netloc, path.rstrip("/"), None, {}, f"pyfs://{parts.netloc}/{path.rstrip('/')}")
     account = None
     bucket = parts.netloc
@@ -112,13 +133,14 @@ def parse_uri(uri: str) -> ParsedUri:
 
 # ----------------------------------------------------------------------------- credentials
 
+
 @dataclass(frozen=True)
 class AzureCredentials:
     """Which Azure credential was chosen; the secret itself never appears in repr."""
 
-    source: str                    # e.g. "AZURE_STORAGE_CONNECTION_STRING"
+    source: str  # e.g. "AZURE_STORAGE_CONNECTION_STRING"
     account_name: str | None
-    endpoint: str | None = None    # blob endpoint, when the connection string names one
+    endpoint: str | None = None  # blob endpoint, when the connection string names one
     kwargs: Mapping[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     def secrets(self) -> tuple[str, ...]:
@@ -144,25 +166,36 @@ def select_azure_credentials(env: Mapping[str, str], account_in_uri: str | None)
         if account_in_uri and conn_account and conn_account != account_in_uri:
             raise ValueError(
                 f"URI names Azure account {account_in_uri!r} but AZURE_STORAGE_CONNECTION_STRING "
-                f"is for {conn_account!r}")
-        return AzureCredentials("AZURE_STORAGE_CONNECTION_STRING", conn_account or account,
-                                fields.get("BlobEndpoint"), {"connection_string": conn})
+                f"is for {conn_account!r}"
+            )
+        return AzureCredentials(
+            "AZURE_STORAGE_CONNECTION_STRING",
+            conn_account or account,
+            fields.get("BlobEndpoint"),
+            {"connection_string": conn},
+        )
     if account and env.get("AZURE_STORAGE_ACCOUNT_KEY"):
-        return AzureCredentials("AZURE_STORAGE_ACCOUNT_NAME + AZURE_STORAGE_ACCOUNT_KEY", account,
-                                None, {"account_name": account,
-                                       "account_key": env["AZURE_STORAGE_ACCOUNT_KEY"]})
+        return AzureCredentials(
+            "AZURE_STORAGE_ACCOUNT_NAME + AZURE_STORAGE_ACCOUNT_KEY",
+            account,
+            None,
+            {"account_name": account, "account_key": env["AZURE_STORAGE_ACCOUNT_KEY"]},
+        )
     if account and env.get("AZURE_STORAGE_SAS_TOKEN"):
-        return AzureCredentials("AZURE_STORAGE_ACCOUNT_NAME + AZURE_STORAGE_SAS_TOKEN", account,
-                                None, {"account_name": account,
-                                       "sas_token": env["AZURE_STORAGE_SAS_TOKEN"]})
+        return AzureCredentials(
+            "AZURE_STORAGE_ACCOUNT_NAME + AZURE_STORAGE_SAS_TOKEN",
+            account,
+            None,
+            {"account_name": account, "sas_token": env["AZURE_STORAGE_SAS_TOKEN"]},
+        )
     if not account:
         raise ValueError(
             "no Azure credentials: set AZURE_STORAGE_CONNECTION_STRING, or "
             "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY / AZURE_STORAGE_SAS_TOKEN "
             "/ a DefaultAzureCredential identity (or name the account in the URI: "
-            "abfs://container@ACCOUNT.dfs.core.windows.net/path)")
-    return AzureCredentials("DefaultAzureCredential (azure-identity)", account, None,
-                            {"account_name": account})
+            "abfs://container@ACCOUNT.dfs.core.windows.net/path)"
+        )
+    return AzureCredentials("DefaultAzureCredential (azure-identity)", account, None, {"account_name": account})
 
 
 def describe_aws_credentials(env: Mapping[str, str], anonymous: bool = False) -> str:
@@ -193,13 +226,14 @@ def _truthy(value: str | None) -> bool:
 
 # ----------------------------------------------------------------------------- backends
 
+
 @dataclass
 class _Backend:
     fs: pafs.FileSystem
     root: str
-    target: str                  # "s3 bucket 'b' at http://... (credentials: ...)"
+    target: str  # "s3 bucket 'b' at http://... (credentials: ...)"
     secrets: tuple[str, ...] = ()
-    bucket_path: str | None = None   # fs path whose existence means the bucket exists
+    bucket_path: str | None = None  # fs path whose existence means the bucket exists
     create_bucket: Callable[[], None] | None = None
     # Directories are only prefixes the filesystem cannot list one level at a time (GCS
     # through pyarrow: a non-recursive listing shows marker objects only, not prefixes).
@@ -209,10 +243,13 @@ class _Backend:
 def _s3_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
     opts = p.options
     anonymous = _truthy(opts.get("anonymous"))
-    endpoint = opts.get("endpoint_override") or env.get("AWS_ENDPOINT_URL_S3") or env.get(
-        "AWS_ENDPOINT_URL")
-    kwargs: dict = {"anonymous": anonymous, "connect_timeout": 5.0, "request_timeout": 60.0,
-                    "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=2)}
+    endpoint = opts.get("endpoint_override") or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    kwargs: dict = {
+        "anonymous": anonymous,
+        "connect_timeout": 5.0,
+        "request_timeout": 60.0,
+        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=2),
+    }
     if endpoint:
         kwargs["endpoint_override"] = endpoint
     if opts.get("region") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"):
@@ -233,8 +270,7 @@ def _s3_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
 GCS_EMULATOR_VARS = ("CLOUD_STORAGE_EMULATOR_ENDPOINT", "STORAGE_EMULATOR_HOST")
 
 
-def gcs_endpoint(options: Mapping[str, str], env: Mapping[str, str]
-                 ) -> tuple[str | None, str | None, str | None]:
+def gcs_endpoint(options: Mapping[str, str], env: Mapping[str, str]) -> tuple[str | None, str | None, str | None]:
     """``(host:port, scheme, source)`` of a custom GCS endpoint, or Nones for Google's.
 
     The URI's ``endpoint_override`` wins; else the first emulator variable that is set
@@ -260,8 +296,7 @@ def _gcs_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
     anonymous = _truthy(opts.get("anonymous")) or source in GCS_EMULATOR_VARS
     # Our RetryPolicy owns retrying; keep the client's own retry window short (an
     # unreachable endpoint then fails each attempt in ~1-2 s instead of 5-11 s).
-    kwargs: dict = {"anonymous": anonymous,
-                    "retry_time_limit": datetime.timedelta(seconds=1)}
+    kwargs: dict = {"anonymous": anonymous, "retry_time_limit": datetime.timedelta(seconds=1)}
     if endpoint:
         kwargs["endpoint_override"] = endpoint
     if scheme:
@@ -274,19 +309,25 @@ def _gcs_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
     if source in GCS_EMULATOR_VARS:
         creds += f", emulator named by {source}"
     target = f"gcs bucket {p.bucket!r}{where} (credentials: {creds})"
-    return _Backend(fs, _join(p.bucket, p.prefix), target, (), p.bucket,
-                    lambda: fs.create_dir(p.bucket), implicit_dirs=True)
+    return _Backend(
+        fs, _join(p.bucket, p.prefix), target, (), p.bucket, lambda: fs.create_dir(p.bucket), implicit_dirs=True
+    )
 
 
 def _bound_azure_sdk_retries(afs) -> None:
     """The Azure SDK retries 3 times with 15 s+ backoff by default: minutes per call when the
     endpoint is down. Our RetryPolicy owns retrying, so shrink the SDK's to one quick retry."""
-    policy = getattr(getattr(getattr(afs, "service_client", None), "_config", None),
-                     "retry_policy", None)
+    policy = getattr(getattr(getattr(afs, "service_client", None), "_config", None), "retry_policy", None)
     if policy is not None:
-        for attr, value in (("total_retries", 1), ("connect_retries", 1), ("read_retries", 1),
-                            ("status_retries", 1), ("initial_backoff", 0.2),
-                            ("increment_base", 0), ("random_jitter_range", 0.1)):
+        for attr, value in (
+            ("total_retries", 1),
+            ("connect_retries", 1),
+            ("read_retries", 1),
+            ("status_retries", 1),
+            ("initial_backoff", 0.2),
+            ("increment_base", 0),
+            ("random_jitter_range", 0.1),
+        ):
             if hasattr(policy, attr):
                 setattr(policy, attr, value)
 
@@ -301,16 +342,14 @@ def _azure_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
     kwargs = dict(creds.kwargs)
     if creds.source.startswith("DefaultAzureCredential"):
         kwargs["anon"] = False  # adlfs then builds azure.identity's (aio) DefaultAzureCredential
-    afs = AzureBlobFileSystem(skip_instance_cache=True, connection_timeout=5, read_timeout=60,
-                              **kwargs)
+    afs = AzureBlobFileSystem(skip_instance_cache=True, connection_timeout=5, read_timeout=60, **kwargs)
     _bound_azure_sdk_retries(afs)
     # adlfs expands glob patterns in rm(): deletes go through a handler that names exact paths.
     fs = pafs.PyFileSystem(LiteralFSSpecHandler(afs))
     where = f" at {creds.endpoint}" if creds.endpoint else ""
     account = f" in account {creds.account_name!r}" if creds.account_name else ""
     target = f"azure container {p.bucket!r}{account}{where} (credentials: {creds.source})"
-    return _Backend(fs, _join(p.bucket, p.prefix), target, creds.secrets(), p.bucket,
-                    lambda: afs.mkdir(p.bucket))
+    return _Backend(fs, _join(p.bucket, p.prefix), target, creds.secrets(), p.bucket, lambda: afs.mkdir(p.bucket))
 
 
 def _local_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
@@ -343,16 +382,17 @@ def register_filesystem(key: str, fs: pafs.FileSystem) -> None:
 def _pyfs_backend(p: ParsedUri, env: Mapping[str, str]) -> _Backend:
     fs = _FILESYSTEMS.get(p.bucket)
     if fs is None:
-        raise ValueError(f"filesystem {p.bucket!r} is not known in this process (a pyfs:// URI is "
-                         "valid only where its Storage was created or unpickled)")
+        raise ValueError(
+            f"filesystem {p.bucket!r} is not known in this process (a pyfs:// URI is "
+            "valid only where its Storage was created or unpickled)"
+        )
     handler: Any = getattr(fs, "handler", None)
     if isinstance(fs, pafs.PyFileSystem) and type(handler) is pafs.FSSpecHandler:
         fs = pafs.PyFileSystem(LiteralFSSpecHandler(handler.fs))  # deletes by exact name (names.py)
     return _Backend(fs, p.prefix, f"{fs.type_name} filesystem at {p.prefix!r}")
 
 
-_BACKENDS = {"file": _local_backend, "s3": _s3_backend, "gs": _gcs_backend, "az": _azure_backend,
-             "pyfs": _pyfs_backend}
+_BACKENDS = {"file": _local_backend, "s3": _s3_backend, "gs": _gcs_backend, "az": _azure_backend, "pyfs": _pyfs_backend}
 
 
 def _join(*parts: str) -> str:

@@ -71,9 +71,14 @@ def parse_record(raw: bytes) -> Optional[LeaseRecord]:
     the file is untrusted, and a garbled one must not lock a run forever)."""
     try:
         data = json.loads(raw.decode("utf-8"))
-        rec = LeaseRecord(holder=str(data["holder"])[:200], token=str(data["token"]),
-                          renewed_ts=float(data["renewed_ts"]), expires_ts=float(data["expires_ts"]),
-                          epoch=int(data.get("epoch", 0)), released=data.get("released") is True)
+        rec = LeaseRecord(
+            holder=str(data["holder"])[:200],
+            token=str(data["token"]),
+            renewed_ts=float(data["renewed_ts"]),
+            expires_ts=float(data["expires_ts"]),
+            epoch=int(data.get("epoch", 0)),
+            released=data.get("released") is True,
+        )
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, OverflowError):
         return None
     if not (math.isfinite(rec.renewed_ts) and math.isfinite(rec.expires_ts)) or rec.epoch < 0:
@@ -94,8 +99,16 @@ def highest_checkpoint_epoch(storage, run_rel: str) -> int:
 class RunLease:
     """The lease on one run, held by this process between :meth:`acquire` and :meth:`release`."""
 
-    def __init__(self, storage, run_rel: str, *, ttl_s: float = DEFAULT_TTL_S, settle_s: float = 1.0,
-                 clock: Callable[[], float] = time.time, on_lost: Optional[Callable[[str], None]] = None):
+    def __init__(
+        self,
+        storage,
+        run_rel: str,
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        settle_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+        on_lost: Optional[Callable[[str], None]] = None,
+    ):
         self._storage = storage
         self._run_rel = run_rel
         self._rel = f"{run_rel}/{LEASE_FILE}"
@@ -147,8 +160,9 @@ class RunLease:
         if renewer is not None:
             renewer.join(timeout=RELEASE_WAIT_S)
             if renewer.is_alive():  # a renewal stuck on the store could land after our release
-                logger.warning("lease on %s not released (the store is not answering); it expires in "
-                               "%.0f s", self._run, self.ttl_s)
+                logger.warning(
+                    "lease on %s not released (the store is not answering); it expires in %.0f s", self._run, self.ttl_s
+                )
                 return
         if self.lost is not None:
             return  # someone else holds it now: never write over their record
@@ -170,9 +184,11 @@ class RunLease:
         """Renew once; False (and ``lost`` set) when another holder's record is there."""
         cur = self._read()
         if cur is not None and cur.token != self.token:
-            self.lost = (f"the lease on run {self._run} was taken over by {cur.holder} (this process "
-                         f"did not renew it within {self.ttl_s:.0f} s); stopping so that only one "
-                         "fit() writes the run")
+            self.lost = (
+                f"the lease on run {self._run} was taken over by {cur.holder} (this process "
+                f"did not renew it within {self.ttl_s:.0f} s); stopping so that only one "
+                "fit() writes the run"
+            )
             return False
         self._storage.write_bytes(self._rel, _encode(self._record(self._clock())))
         return True
@@ -195,8 +211,9 @@ class RunLease:
     def _record(self, now: float) -> LeaseRecord:
         with self._lock:
             epoch = self.epoch
-        return LeaseRecord(holder=self.holder, token=self.token, renewed_ts=now,
-                           expires_ts=now + self.ttl_s, epoch=epoch)
+        return LeaseRecord(
+            holder=self.holder, token=self.token, renewed_ts=now, expires_ts=now + self.ttl_s, epoch=epoch
+        )
 
     def _read_raw(self) -> Optional[bytes]:
         try:
@@ -249,7 +266,11 @@ class RunLease:
             f"run {self._run} is in use: {rec.holder} {how} (renewed every {self.ttl_s / 3:.0f} s, "
             f"expires in {left:.0f} s if its holder stops). Fix: wait for that fit() to finish, or "
             "pick another RunConfig.name; if its holder is dead, start again after the lease "
-            "expires (RunConfig.lease_ttl_s).", run=self._run, holder=rec.holder, expires_in_s=left)
+            "expires (RunConfig.lease_ttl_s).",
+            run=self._run,
+            holder=rec.holder,
+            expires_in_s=left,
+        )
 
 
 def _encode(rec: LeaseRecord) -> bytes:

@@ -110,9 +110,15 @@ def _read_manifest(storage, rel: str) -> Optional[CommittedCheckpoint]:
 
     def file_entry(f: Any) -> tuple:
         # [path, size] or, as the uploader writes them, [path, size, "crc32:<hex>"]
-        if not (isinstance(f, list) and len(f) in (2, 3) and isinstance(f[0], str)
-                and isinstance(f[1], int) and not isinstance(f[1], bool) and f[1] >= 0
-                and (len(f) == 2 or isinstance(f[2], str))):
+        if not (
+            isinstance(f, list)
+            and len(f) in (2, 3)
+            and isinstance(f[0], str)
+            and isinstance(f[1], int)
+            and not isinstance(f[1], bool)
+            and f[1] >= 0
+            and (len(f) == 2 or isinstance(f[2], str))
+        ):
             raise ValueError(f"files entry {f!r:.80} is not [relative path, size >= 0(, checksum)]")
         if "\x00" in f[0] or any(part in ("", ".", "..") for part in f[0].split("/")):
             raise ValueError(f"files entry {f[0]!r:.80} is not a plain relative path")
@@ -126,21 +132,26 @@ def _read_manifest(storage, rel: str) -> Optional[CommittedCheckpoint]:
         if data.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"schema_version {data.get('schema_version')!r:.40}")
         ts = data["ts"]
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not (
-                float("-inf") < float(ts) < float("inf")):  # an int beyond floats: OverflowError
+        if (
+            isinstance(ts, bool) or not isinstance(ts, (int, float)) or not (float("-inf") < float(ts) < float("inf"))
+        ):  # an int beyond floats: OverflowError
             raise ValueError(f"ts is {ts!r:.40}, not a finite number")
         files, metrics = data.get("files", []), data.get("metrics", {})
         if not isinstance(files, list) or not isinstance(metrics, dict):
             raise ValueError("files must be a list and metrics an object")
         return CommittedCheckpoint(
-            rel=rel, index=count("index"), epoch=count("epoch"), world_size=count("world_size"),
-            ts=float(ts), files=[file_entry(f) for f in files], metrics=metrics,
+            rel=rel,
+            index=count("index"),
+            epoch=count("epoch"),
+            world_size=count("world_size"),
+            ts=float(ts),
+            files=[file_entry(f) for f in files],
+            metrics=metrics,
         )
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
         # The manifest is written whole and last, so a corrupt one was not written by a
         # commit: skip it, and leave it on storage (delete_uncommitted keeps it).
-        logger.warning("ignoring checkpoint %s: corrupt manifest (%s: %.200s)", rel,
-                       type(e).__name__, e)
+        logger.warning("ignoring checkpoint %s: corrupt manifest (%s: %.200s)", rel, type(e).__name__, e)
         return None
 
 
@@ -148,8 +159,16 @@ class CheckpointManager:
     """``score_attribute`` / ``score_order``: retention ranks checkpoints by that metric
     (``raylastic.checkpoint.scoring``, Ray Train's rules) instead of by age."""
 
-    def __init__(self, storage, run_rel: str, num_to_keep: Optional[int], events: EventLog, *,
-                 score_attribute: Optional[str] = None, score_order: str = "max"):
+    def __init__(
+        self,
+        storage,
+        run_rel: str,
+        num_to_keep: Optional[int],
+        events: EventLog,
+        *,
+        score_attribute: Optional[str] = None,
+        score_order: str = "max",
+    ):
         self._storage = storage
         self._run_rel = run_rel
         self._dir = f"{run_rel}/checkpoints"
@@ -180,9 +199,13 @@ class CheckpointManager:
             problem = self._verify(ckpt)
             if problem is None:
                 return ckpt
-            self._events.emit(EventKind.CHECKPOINT_INVALID,
-                              f"checkpoint {ckpt.index} is damaged ({problem}); trying an older one",
-                              index=ckpt.index, path=ckpt.rel, problem=problem)
+            self._events.emit(
+                EventKind.CHECKPOINT_INVALID,
+                f"checkpoint {ckpt.index} is damaged ({problem}); trying an older one",
+                index=ckpt.index,
+                path=ckpt.rel,
+                problem=problem,
+            )
         return None
 
     def _verify(self, ckpt: CommittedCheckpoint) -> Optional[str]:
@@ -251,12 +274,18 @@ class CheckpointManager:
                     committed.append(ckpt)
         return committed
 
-    def _commit(self, index: int, by_rank: Dict[int, ReportRecord],
-                inferred: Optional[List[int]] = None) -> Optional[CommittedCheckpoint]:
+    def _commit(
+        self, index: int, by_rank: Dict[int, ReportRecord], inferred: Optional[List[int]] = None
+    ) -> Optional[CommittedCheckpoint]:
         skipped = {r.rank: r.persist_skipped for r in by_rank.values() if r.persist_skipped}
         if skipped:  # (other ranks' shards of it stay uncommitted: delete_uncommitted removes them)
-            self._events.emit(EventKind.CHECKPOINT_SKIPPED, index=index, epoch=self._epoch, ranks=sorted(skipped),
-                              reason=f"rank {min(skipped)}: {skipped[min(skipped)]}; memory holds the state")
+            self._events.emit(
+                EventKind.CHECKPOINT_SKIPPED,
+                index=index,
+                epoch=self._epoch,
+                ranks=sorted(skipped),
+                reason=f"rank {min(skipped)}: {skipped[min(skipped)]}; memory holds the state",
+            )
             return None
         with_ckpt = [r for r in by_rank.values() if r.checkpoint_rel]
         if not with_ckpt:
@@ -266,8 +295,13 @@ class CheckpointManager:
         rel = with_ckpt[0].checkpoint_rel
         assert rel is not None  # with_ckpt holds only records with a checkpoint_rel
         if not self._owns(rel):  # never write (or later delete) outside this run's checkpoints
-            logger.error("not committing checkpoint %d: %r is not a checkpoint directory of this run "
-                         "(%s/checkpoint_<index>-e<epoch> or a named directory)", index, rel, self._dir)
+            logger.error(
+                "not committing checkpoint %d: %r is not a checkpoint directory of this run "
+                "(%s/checkpoint_<index>-e<epoch> or a named directory)",
+                index,
+                rel,
+                self._dir,
+            )
             return None
         replaced = [c for c in self._committed if c.rel == rel]  # a name reported again (Ray's layout)
         for c in replaced:
@@ -275,8 +309,13 @@ class CheckpointManager:
         files = sorted({tuple(f) for r in with_ckpt for f in r.files})
         rank0 = by_rank.get(0) or with_ckpt[0]
         ckpt = CommittedCheckpoint(
-            rel=rel, index=index, epoch=self._epoch, world_size=self._world_size,
-            ts=time.time(), files=[list(f) for f in files], metrics=rank0.metrics,
+            rel=rel,
+            index=index,
+            epoch=self._epoch,
+            world_size=self._world_size,
+            ts=time.time(),
+            files=[list(f) for f in files],
+            metrics=rank0.metrics,
         )
         manifest = {"schema_version": SCHEMA_VERSION, **asdict(ckpt)}
         manifest.pop("rel")
@@ -286,20 +325,34 @@ class CheckpointManager:
         self._storage.write_bytes(f"{rel}/{MANIFEST}", json.dumps(manifest, default=str).encode())
         self._committed.append(ckpt)
         self._events.emit(
-            EventKind.CHECKPOINT_COMMITTED, index=index, epoch=self._epoch, path=rel,
-            bytes=ckpt.num_bytes, world_size=self._world_size,
-            stage_s=max(r.stage_s for r in with_ckpt), wait_s=max(r.wait_s for r in with_ckpt),
+            EventKind.CHECKPOINT_COMMITTED,
+            index=index,
+            epoch=self._epoch,
+            path=rel,
+            bytes=ckpt.num_bytes,
+            world_size=self._world_size,
+            stage_s=max(r.stage_s for r in with_ckpt),
+            wait_s=max(r.wait_s for r in with_ckpt),
             upload_s=max(r.upload_s for r in with_ckpt),
         )
         self._retain()
         return ckpt
 
-    def commit_evacuation(self, index: int, rel: str, files: List[Any],
-                          upload_s: float) -> Optional[CommittedCheckpoint]:
+    def commit_evacuation(
+        self, index: int, rel: str, files: List[Any], upload_s: float
+    ) -> Optional[CommittedCheckpoint]:
         """Commit a snapshot that the last holders of the state wrote to storage before
         leaving (every member was on draining nodes): a single writer, already uploaded."""
-        rec = ReportRecord(index=index, rank=0, epoch=self._epoch, ts=time.time(), metrics={},
-                           checkpoint_rel=rel, files=files, upload_s=upload_s)
+        rec = ReportRecord(
+            index=index,
+            rank=0,
+            epoch=self._epoch,
+            ts=time.time(),
+            metrics={},
+            checkpoint_rel=rel,
+            files=files,
+            upload_s=upload_s,
+        )
         self._pending.pop(index, None)
         return self._commit(index, {0: rec})
 
@@ -312,8 +365,12 @@ class CheckpointManager:
             reason += f", ranked by {self._score_attribute!r} ({self._score_order})"
         for old in doomed:
             if not self._owns(old.rel):
-                logger.warning("not deleting checkpoint %s: not a checkpoint directory of this run "
-                               "(%s/checkpoint_<index>-e<epoch>)", old.rel, self._dir)
+                logger.warning(
+                    "not deleting checkpoint %s: not a checkpoint directory of this run "
+                    "(%s/checkpoint_<index>-e<epoch>)",
+                    old.rel,
+                    self._dir,
+                )
                 self._committed.remove(old)
                 continue
             # Manifest first: a half-deleted directory must never look committed. If that

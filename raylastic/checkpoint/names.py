@@ -40,7 +40,7 @@ def relative_to(path: str, base: str) -> Optional[str]:
     parts = path.rstrip("/").split("/")
     if len(parts) <= len(base_parts) or parts[: len(base_parts)] != base_parts:
         return None
-    return "/".join(parts[len(base_parts):])
+    return "/".join(parts[len(base_parts) :])
 
 
 def name_problem(name: str) -> Optional[str]:
@@ -71,14 +71,16 @@ def local_target(local_dir: str, name: str, where: str = "") -> str:
             root, target = resolve(local_dir), resolve(dst)
             if os.path.commonpath([root, target]) != root or target == root:
                 problem = f"it would be written outside {local_dir!r}" + (
-                    " (through a symbolic link)" if resolve is os.path.realpath else "")
+                    " (through a symbolic link)" if resolve is os.path.realpath else ""
+                )
                 break
         else:
             return dst
     raise UnsafeObjectNameError(
         f"refusing to download object {name!r}{where}: {problem}. Checkpoint objects are written "
         "only as plain relative names inside the destination; someone with write access to the "
-        "storage may have planted it: inspect the checkpoint before using it")
+        "storage may have planted it: inspect the checkpoint before using it"
+    )
 
 
 def _takes_expand_path(rm) -> bool:

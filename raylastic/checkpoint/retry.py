@@ -19,7 +19,6 @@ T = TypeVar("T")
 ErrorKind = Literal["transient", "permanent"]
 
 
-
 class StorageError(Exception):
     """Base of storage failures; a plain message so it pickles across Ray."""
 
@@ -77,13 +76,23 @@ _PERMANENT_PATTERNS = re.compile(
 _HTTP_STATUS = re.compile(r"(?:response code|status(?: code)?|HTTP)[^0-9\n]{0,4}(\d{3})\b", re.I)
 _TRANSIENT_TYPES = (TimeoutError, ConnectionError)
 _TRANSIENT_TYPE_NAMES = {
-    "ServiceRequestError", "ServiceResponseError", "ServiceRequestTimeoutError",
-    "ServiceResponseTimeoutError", "ClientConnectorError", "ServerDisconnectedError",
-    "ClientOSError", "ServerTimeoutError", "EndpointConnectionError", "ConnectTimeoutError",
-    "ReadTimeoutError", "IncompleteReadError",
+    "ServiceRequestError",
+    "ServiceResponseError",
+    "ServiceRequestTimeoutError",
+    "ServiceResponseTimeoutError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "ServerTimeoutError",
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "IncompleteReadError",
 }
 _PERMANENT_TYPE_NAMES = {
-    "ClientAuthenticationError", "CredentialUnavailableError", "NoCredentialsError",
+    "ClientAuthenticationError",
+    "CredentialUnavailableError",
+    "NoCredentialsError",
     "ResourceNotFoundError",
 }
 
@@ -158,9 +167,15 @@ def _redact(text: str, secrets: tuple[str, ...]) -> str:
     return _USERINFO_IN_URL.sub(r"\1***@", _SECRET_IN_TEXT.sub(r"\1***", text))
 
 
-def retry_call(fn: Callable[[], T], policy: RetryPolicy, *, what: str = "storage call",
-               secrets: tuple[str, ...] = (), sleep: Callable[[float], None] = time.sleep,
-               rand: Callable[[], float] = random.random) -> T:
+def retry_call(
+    fn: Callable[[], T],
+    policy: RetryPolicy,
+    *,
+    what: str = "storage call",
+    secrets: tuple[str, ...] = (),
+    sleep: Callable[[float], None] = time.sleep,
+    rand: Callable[[], float] = random.random,
+) -> T:
     """Call ``fn``; retry transient errors under ``policy``, then raise a StorageError.
 
     FileNotFoundError (a missing object is an answer, not a failure) and non-I/O exceptions
@@ -180,8 +195,14 @@ def retry_call(fn: Callable[[], T], policy: RetryPolicy, *, what: str = "storage
             kind = classify_error(exc)
             if kind == "transient" and attempt < policy.max_attempts:
                 delay = policy.delay(attempt, rand)
-                logger.warning("%s: attempt %d/%d failed, retrying in %.2fs: %s", what, attempt,
-                               policy.max_attempts, delay, _summarise(exc, secrets, 200))
+                logger.warning(
+                    "%s: attempt %d/%d failed, retrying in %.2fs: %s",
+                    what,
+                    attempt,
+                    policy.max_attempts,
+                    delay,
+                    _summarise(exc, secrets, 200),
+                )
                 sleep(delay)
                 continue
             detail = _summarise(exc, secrets)

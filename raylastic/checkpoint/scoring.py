@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 logger = logging.getLogger("raylastic")
 
+
 class _Scored(Protocol):
     @property
     def metrics(self) -> Dict[str, Any]: ...  # read only: CommittedCheckpoint is frozen
@@ -58,8 +59,11 @@ def score(metrics: Dict[str, Any], attribute: str, order: str) -> Tuple[bool, fl
     """The sort key of a checkpoint with ``metrics``: higher is better."""
     flat = flatten(metrics or {})
     if attribute not in flat:
-        logger.error("checkpoint metrics have no key %r (CheckpointConfig score attribute); it scores "
-                     "-inf. Valid keys: %s", attribute, sorted(flat))
+        logger.error(
+            "checkpoint metrics have no key %r (CheckpointConfig score attribute); it scores -inf. Valid keys: %s",
+            attribute,
+            sorted(flat),
+        )
         value: Any = float("-inf")
     else:
         value = flat[attribute]
@@ -81,8 +85,9 @@ def ranked(committed: Sequence[T], attribute: Optional[str], order: str = "max")
     return [c for _, _, c in keyed]
 
 
-def to_delete(committed: Sequence[T], num_to_keep: Optional[int], attribute: Optional[str],
-              order: str = "max") -> List[T]:
+def to_delete(
+    committed: Sequence[T], num_to_keep: Optional[int], attribute: Optional[str], order: str = "max"
+) -> List[T]:
     """The checkpoints retention removes now, oldest first."""
     if num_to_keep is None or len(committed) <= num_to_keep:
         return []
@@ -92,15 +97,13 @@ def to_delete(committed: Sequence[T], num_to_keep: Optional[int], attribute: Opt
     return [c for c in committed if id(c) in doomed]
 
 
-def best(committed: Sequence[T], num_to_keep: Optional[int], attribute: Optional[str],
-         order: str = "max") -> List[T]:
+def best(committed: Sequence[T], num_to_keep: Optional[int], attribute: Optional[str], order: str = "max") -> List[T]:
     """``Result.best_checkpoints``: the top ``num_to_keep`` of the ranking, worst first."""
     ranking = ranked(committed, attribute, order)
     return ranking if num_to_keep is None else ranking[-num_to_keep:]
 
 
-def kept(committed: Sequence[T], num_to_keep: Optional[int], attribute: Optional[str],
-         order: str = "max") -> List[T]:
+def kept(committed: Sequence[T], num_to_keep: Optional[int], attribute: Optional[str], order: str = "max") -> List[T]:
     """What ``get_all_reported_checkpoints()`` lists: every checkpoint retention keeps, in
     the ranking's order (Ray's manager list), worst first."""
     gone = {id(c) for c in to_delete(committed, num_to_keep, attribute, order)}

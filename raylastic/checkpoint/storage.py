@@ -48,12 +48,23 @@ import pyarrow.fs as pafs
 
 # The seam's names live in two halves; everything is importable from here as before.
 from raylastic.checkpoint.backends import (  # noqa: F401 - some re-exported
-    GCS_EMULATOR_VARS, _BACKENDS, _join, describe_aws_credentials, describe_gcs_credentials, parse_uri,
+    GCS_EMULATOR_VARS,
+    _BACKENDS,
+    _join,
+    describe_aws_credentials,
+    describe_gcs_credentials,
+    parse_uri,
     select_azure_credentials,
 )
 from raylastic.checkpoint.names import UnsafeObjectNameError, local_target, relative_to
 from raylastic.checkpoint.retry import (  # noqa: F401 - some re-exported
-    PermanentStorageError, RetryPolicy, StorageError, T, TransientStorageError, _redact, classify_error,
+    PermanentStorageError,
+    RetryPolicy,
+    StorageError,
+    T,
+    TransientStorageError,
+    _redact,
+    classify_error,
     retry_call,
 )
 
@@ -87,8 +98,7 @@ class Storage:
     creating a bucket from a typo'd URI hides the typo until someone looks for the data.
     """
 
-    def __init__(self, uri: str, *, retry: RetryPolicy | None = None,
-                 create_container: bool = False) -> None:
+    def __init__(self, uri: str, *, retry: RetryPolicy | None = None, create_container: bool = False) -> None:
         """A malformed URI raises ValueError; unusable credentials PermanentStorageError.
         Credentials are read from os.environ here (and again wherever it is unpickled)."""
         parsed = parse_uri(uri)
@@ -136,8 +146,7 @@ class Storage:
         if not self._root_checked:
             self._check_root()
         what = f"{op} {rel!r} on {self.target}" if rel else f"{op} {self.target}"
-        return retry_call(fn, self.retry, sleep=self._sleep, what=what,
-                          secrets=self._backend.secrets)
+        return retry_call(fn, self.retry, sleep=self._sleep, what=what, secrets=self._backend.secrets)
 
     def _check_root(self) -> None:
         """Fail fast, by name, when the bucket/container is missing or access is denied."""
@@ -154,7 +163,8 @@ class Storage:
                 if not self.create_container or create is None:
                     raise PermanentStorageError(
                         f"{self.target} does not exist; create it first (or pass "
-                        "create_container=True) - raylastic does not create buckets silently")
+                        "create_container=True) - raylastic does not create buckets silently"
+                    )
                 self._call("creating", "", create)
         except BaseException:
             self._root_checked = False
@@ -199,8 +209,7 @@ class Storage:
 
     def exists(self, rel: str) -> bool:
         path = self.path(rel)
-        return self._call("stat", rel,
-                          lambda: self.fs.get_file_info(path).type != pafs.FileType.NotFound)
+        return self._call("stat", rel, lambda: self.fs.get_file_info(path).type != pafs.FileType.NotFound)
 
     def file_sizes(self, rels: list[str]) -> list[int | None]:
         """Size of each file in ``rels``, None where there is no file, in one retried call.
@@ -235,11 +244,14 @@ class Storage:
             except (FileNotFoundError, NotADirectoryError):
                 return []
             if recursive:
-                return sorted({i.path[len(parent) + 1:].split("/", 1)[0] for i in infos
-                               if i.path.startswith(parent + "/")} - {""})
+                return sorted(
+                    {i.path[len(parent) + 1 :].split("/", 1)[0] for i in infos if i.path.startswith(parent + "/")}
+                    - {""}
+                )
             # adlfs may return grandchildren for a depth-1 listing: keep direct children only.
-            return sorted({i.base_name for i in infos
-                           if i.base_name and i.path.rstrip("/").rsplit("/", 1)[0] == parent})
+            return sorted(
+                {i.base_name for i in infos if i.base_name and i.path.rstrip("/").rsplit("/", 1)[0] == parent}
+            )
 
         return self._call("list", rel, ls)
 
@@ -251,8 +263,11 @@ class Storage:
 
         def ls() -> list[str]:
             try:
-                heads = [(i.path.rstrip("/")[len(parent):].partition("/"), i.type)
-                         for i in self.fs.get_file_info(selector) if i.path.startswith(parent)]
+                heads = [
+                    (i.path.rstrip("/")[len(parent) :].partition("/"), i.type)
+                    for i in self.fs.get_file_info(selector)
+                    if i.path.startswith(parent)
+                ]
             except (FileNotFoundError, NotADirectoryError):
                 return []
             return sorted({h for (h, sep, _), t in heads if h and (sep or t == pafs.FileType.Directory)})
@@ -273,8 +288,13 @@ class Storage:
             if self.is_local:
                 self._call("upload", f"{rel}/{name}", lambda: _atomic_local_copy(src, dst))
             else:
-                self._call("upload", f"{rel}/{name}", lambda: _copy_stream(
-                    pafs.LocalFileSystem().open_input_stream, src, self.fs, dst, self._make_parent))
+                self._call(
+                    "upload",
+                    f"{rel}/{name}",
+                    lambda: _copy_stream(
+                        pafs.LocalFileSystem().open_input_stream, src, self.fs, dst, self._make_parent
+                    ),
+                )
 
         self._map(one, files)
         return files
@@ -299,14 +319,16 @@ class Storage:
             if name is None:
                 raise UnsafeObjectNameError(
                     f"refusing to download {src!r}{where}: the listing returned an object outside "
-                    f"{rel!r}; nothing was downloaded")
+                    f"{rel!r}; nothing was downloaded"
+                )
             plan.append((src, name, local_target(local_dir, name, where)))
 
         def one(item: tuple[str, str, str]) -> None:
             src, name, dst = item
             os.makedirs(os.path.dirname(dst), exist_ok=True)
-            self._call("download", f"{rel}/{name}", lambda: _copy_stream(
-                self._open_input, src, pafs.LocalFileSystem(), dst))
+            self._call(
+                "download", f"{rel}/{name}", lambda: _copy_stream(self._open_input, src, pafs.LocalFileSystem(), dst)
+            )
 
         os.makedirs(local_dir, exist_ok=True)
         self._map(one, plan)
@@ -391,8 +413,9 @@ class Storage:
                 future.result()
 
 
-def _rebuild(uri: str, retry: RetryPolicy, create_container: bool, key: str = "",
-             fs: pafs.FileSystem | None = None) -> Storage:
+def _rebuild(
+    uri: str, retry: RetryPolicy, create_container: bool, key: str = "", fs: pafs.FileSystem | None = None
+) -> Storage:
     if fs is not None:
         from raylastic.checkpoint.backends import register_filesystem
 
@@ -407,8 +430,7 @@ def _walk_local(local_dir: str) -> list[tuple[str, int]]:
     for dirpath, _, filenames in os.walk(local_dir):
         for name in filenames:
             full = os.path.join(dirpath, name)
-            out.append((os.path.relpath(full, local_dir).replace(os.sep, "/"),
-                        os.path.getsize(full)))
+            out.append((os.path.relpath(full, local_dir).replace(os.sep, "/"), os.path.getsize(full)))
     return sorted(out)
 
 
@@ -439,8 +461,9 @@ def _atomic_local_copy(src: str, dst: str) -> None:
         raise
 
 
-def _copy_stream(open_src: Callable, src: str, dst_fs: pafs.FileSystem, dst: str,
-                 make_parent: Callable[[str], None] = lambda _: None) -> None:
+def _copy_stream(
+    open_src: Callable, src: str, dst_fs: pafs.FileSystem, dst: str, make_parent: Callable[[str], None] = lambda _: None
+) -> None:
     make_parent(dst)
     with open_src(src) as fin, dst_fs.open_output_stream(dst) as fout:
         while True:

@@ -88,14 +88,21 @@ class AsyncUploader:
         background; returns seconds spent waiting for the previous upload (back-pressure)."""
         return self._start(staged, rel, on_done)
 
-    def submit_lazy(self, produce: Callable[[str], None], key: str, rel: str,
-                    on_done: Callable[[UploadResult], None]) -> float:
+    def submit_lazy(
+        self, produce: Callable[[str], None], key: str, rel: str, on_done: Callable[[UploadResult], None]
+    ) -> float:
         """Like :meth:`submit`, but the files are written by ``produce(dir)`` in the
         background thread (serialising a snapshot off the training path)."""
         return self._start(os.path.join(self._root, key), rel, on_done, produce=produce)
 
-    def _start(self, staged: str, rel: str, on_done: Callable[[UploadResult], None], *,
-               produce: Optional[Callable[[str], None]] = None) -> float:
+    def _start(
+        self,
+        staged: str,
+        rel: str,
+        on_done: Callable[[UploadResult], None],
+        *,
+        produce: Optional[Callable[[str], None]] = None,
+    ) -> float:
         waited = self.wait()
 
         def run() -> None:

@@ -15,8 +15,7 @@ from raylastic.data.policy import BatchPolicy
 
 # DataLoader arguments the elastic loader owns; passing them in dataloader_kwargs is an error.
 OWNED_KWARGS = frozenset(
-    {"dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last",
-     "num_workers", "collate_fn"}
+    {"dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "num_workers", "collate_fn"}
 )
 
 

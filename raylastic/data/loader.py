@@ -33,6 +33,7 @@ from raylastic.data.state import LoaderState
 
 __all__ = ["ElasticDataLoader"]
 
+
 class _PlanBatchSampler:
     """Batch sampler replaying the current ``EpochPlan``; re-pointed before each epoch.
 
@@ -50,9 +51,7 @@ class _PlanBatchSampler:
     def __len__(self) -> int:
         if self.plan is None:
             return 0
-        return self.plan.num_steps * len(
-            micro_batch_sizes(self.plan.shard_size, self.plan.micro_batch_size)
-        )
+        return self.plan.num_steps * len(micro_batch_sizes(self.plan.shard_size, self.plan.micro_batch_size))
 
 
 class ElasticDataLoader:
@@ -110,9 +109,7 @@ class ElasticDataLoader:
         if not isinstance(shuffle, bool):
             raise ValueError(f"shuffle ({shuffle!r}) must be a bool")
         self._shuffle, self._seed, self._base_world_size = shuffle, seed, base_world_size
-        self._fixed_gbs, self._micro = check_batch_sizes(
-            self._policy, global_batch_size, micro_batch_size
-        )
+        self._fixed_gbs, self._micro = check_batch_sizes(self._policy, global_batch_size, micro_batch_size)
         self._explicit_world = check_explicit_world(world_size, rank)
         if max_world_size is not None:
             check_int("max_world_size", max_world_size, minimum=1)
@@ -254,9 +251,7 @@ class ElasticDataLoader:
 
     def _plan(self) -> EpochPlan:
         if self._order_epoch != self._epoch:
-            self._order = epoch_order(
-                self._dataset_len, seed=self._seed, epoch=self._epoch, shuffle=self._shuffle
-            )
+            self._order = epoch_order(self._dataset_len, seed=self._seed, epoch=self._epoch, shuffle=self._shuffle)
             self._order_epoch = self._epoch
         return EpochPlan(
             order=self._order,
@@ -293,10 +288,7 @@ class ElasticDataLoader:
             world = (1, 0)
         self._check_world(world[0], name="world_size")
         if self._max_world_size is not None and world[0] > self._max_world_size:
-            raise ValueError(
-                f"world_size ({world[0]}) > max_world_size ({self._max_world_size}); "
-                "raise max_world_size"
-            )
+            raise ValueError(f"world_size ({world[0]}) > max_world_size ({self._max_world_size}); raise max_world_size")
         return world
 
     def _check_world(self, world_size: int, *, name: str) -> None:

@@ -35,9 +35,7 @@ def loss_weight(num_samples_in_micro: int, global_batch_size: int, world_size: i
     return num_samples_in_micro * world_size / global_batch_size
 
 
-def scale_loss(
-    loss: torch.Tensor, num_samples_in_micro: int, global_batch_size: int, world_size: int
-) -> torch.Tensor:
+def scale_loss(loss: torch.Tensor, num_samples_in_micro: int, global_batch_size: int, world_size: int) -> torch.Tensor:
     """``loss * m * W / G``: see the module docstring. ``loss`` must be a per-sample mean."""
     return loss * loss_weight(num_samples_in_micro, global_batch_size, world_size)
 
@@ -54,8 +52,6 @@ def maybe_no_sync(model: Any, enabled: bool) -> ContextManager[Any]:
     return no_sync() if callable(no_sync) else _NO_OP
 
 
-def micro_weights(
-    sizes: Sequence[int], global_batch_size: int, world_size: int
-) -> tuple[float, ...]:
+def micro_weights(sizes: Sequence[int], global_batch_size: int, world_size: int) -> tuple[float, ...]:
     """Weights of consecutive micro-batches of ``sizes`` samples (see :func:`loss_weight`)."""
     return tuple(loss_weight(m, global_batch_size, world_size) for m in sizes)

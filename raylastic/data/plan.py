@@ -66,9 +66,7 @@ def window(order: Order, start: int, count: int) -> list[int]:
     return part.tolist() if isinstance(part, torch.Tensor) else list(part)
 
 
-def global_batch_indices(
-    n: int, seed: int, epoch: int, step: int, global_batch_size: int, shuffle: bool
-) -> list[int]:
+def global_batch_indices(n: int, seed: int, epoch: int, step: int, global_batch_size: int, shuffle: bool) -> list[int]:
     """Sample indices of global step ``step`` of ``epoch`` (fixed global batch policy).
 
     Depends only on its arguments: never on the world size. Builds the epoch's order on each
@@ -140,9 +138,7 @@ class EpochPlan:
         _check_positive("micro_batch_size", self.micro_batch_size)
         _check_non_negative("start_step", self.start_step)
         if not 0 <= self.start_samples <= len(self.order):
-            raise ValueError(
-                f"start_samples ({self.start_samples}) must be in [0, {len(self.order)}]"
-            )
+            raise ValueError(f"start_samples ({self.start_samples}) must be in [0, {len(self.order)}]")
         if self.global_batch_size < self.world_size:
             raise ValueError(
                 f"global_batch_size ({self.global_batch_size}) < world_size ({self.world_size}): "

@@ -47,9 +47,7 @@ def coerce_enum(enum_type: type[E], name: str, value: object) -> E:
         raise ValueError(f"{name} ({value!r}) must be one of {choices}") from None
 
 
-def lr_scale_factor(
-    world_size: int, base_world_size: int, rule: LRScaling | str = LRScaling.LINEAR
-) -> float:
+def lr_scale_factor(world_size: int, base_world_size: int, rule: LRScaling | str = LRScaling.LINEAR) -> float:
     """Factor to multiply the base learning rate by at ``world_size`` under ``rule``.
 
     The base learning rate is the one tuned for ``base_world_size`` workers, i.e. for a global
@@ -67,9 +65,7 @@ def lr_scale_factor(
     return 1.0
 
 
-def apply_lr_scaling(
-    optimizer: torch.optim.Optimizer, factor: float, base_lrs: Sequence[float]
-) -> None:
+def apply_lr_scaling(optimizer: torch.optim.Optimizer, factor: float, base_lrs: Sequence[float]) -> None:
     """Set each param group's ``lr`` to ``base_lr * factor``.
 
     ``base_lrs`` is one float per param group, captured once before training, e.g.

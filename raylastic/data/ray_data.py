@@ -36,10 +36,16 @@ POSITION_FILE = ".raylastic_data.json"
 POSITION_VERSION = 1
 
 __all__ = [
-    "DataPosition", "DataPlan", "DataShards", "ElasticDataIterator", "POSITION_FILE",
-    "SplitCoordinator", "ingest_options", "item_ranges", "validate_datasets",
+    "DataPosition",
+    "DataPlan",
+    "DataShards",
+    "ElasticDataIterator",
+    "POSITION_FILE",
+    "SplitCoordinator",
+    "ingest_options",
+    "item_ranges",
+    "validate_datasets",
 ]
-
 
 
 def validate_datasets(datasets: Any, dataset_config: Any) -> Tuple[Dict[str, Any], List[str]]:
@@ -51,28 +57,33 @@ def validate_datasets(datasets: Any, dataset_config: Any) -> Tuple[Dict[str, Any
     if datasets is None:
         datasets = {}
     if not isinstance(datasets, dict):
-        raise ConfigError(f"datasets must be a dict of name -> ray.data.Dataset, got "
-                          f"{type(datasets).__name__}. Fix: datasets={{'train': ds}}.")
+        raise ConfigError(
+            f"datasets must be a dict of name -> ray.data.Dataset, got "
+            f"{type(datasets).__name__}. Fix: datasets={{'train': ds}}."
+        )
     for name, ds in datasets.items():
         if not isinstance(name, str) or not name:
-            raise ConfigError(f"datasets has the key {name!r}: names must be non-empty strings "
-                              "(what get_dataset_shard(name) is called with).")
+            raise ConfigError(
+                f"datasets has the key {name!r}: names must be non-empty strings "
+                "(what get_dataset_shard(name) is called with)."
+            )
         if not isinstance(ds, Dataset) and not callable(ds):
             raise ConfigError(
                 f"datasets[{name!r}] is a {type(ds).__module__}.{type(ds).__name__}, not a "
                 "ray.data.Dataset (or a function returning one). Fix: wrap it, e.g. ray.data.from_pandas(df) / "
-                "ray.data.from_items(rows), or build the loader inside the train function.")
+                "ray.data.from_items(rows), or build the loader inside the train function."
+            )
     if dataset_config is None:
         dataset_config = DataConfig()
     if not isinstance(dataset_config, DataConfig):
-        raise ConfigError(f"dataset_config must be a ray.train.DataConfig, got "
-                          f"{type(dataset_config).__name__}.")
+        raise ConfigError(f"dataset_config must be a ray.train.DataConfig, got {type(dataset_config).__name__}.")
     if type(dataset_config).configure is not DataConfig.configure:
         raise ConfigError(
             f"dataset_config is a {type(dataset_config).__name__} with its own configure(): "
             "raylastic splits datasets itself (resumable positions) and cannot run a custom "
             "configure(). Fix: use ray.train.DataConfig(datasets_to_split=...) and do custom "
-            "per-rank work in the train function.")
+            "per-rank work in the train function."
+        )
     split = dataset_config._datasets_to_split
     if split == "all":
         names = sorted(datasets)
@@ -82,11 +93,11 @@ def validate_datasets(datasets: Any, dataset_config: Any) -> Tuple[Dict[str, Any
             raise ConfigError(
                 f"DataConfig(datasets_to_split={list(split)!r}) names {unknown}, which is not "
                 f"in datasets (names: {sorted(datasets)}). Fix: pass those datasets in "
-                "datasets=, or drop the names from datasets_to_split.")
+                "datasets=, or drop the names from datasets_to_split."
+            )
         names = list(dict.fromkeys(split))
     else:
-        raise ConfigError(f"DataConfig(datasets_to_split={split!r}) must be 'all' or a list of "
-                          "dataset names.")
+        raise ConfigError(f"DataConfig(datasets_to_split={split!r}) must be 'all' or a list of dataset names.")
     return dict(datasets), names
 
 
@@ -148,8 +159,9 @@ class SplitCoordinator:
         self._fronts: Dict[Tuple[int, int], Dict[int, int]] = {}  # (epoch, group) -> rank -> row
         self.executions = 0
 
-    def blocks(self, epoch: int, from_row: int, group: Tuple[int, int, int],
-               max_blocks: int = _BLOCKS_PER_CALL) -> Tuple[List[Tuple[int, int, Any]], bool, Optional[int]]:
+    def blocks(
+        self, epoch: int, from_row: int, group: Tuple[int, int, int], max_blocks: int = _BLOCKS_PER_CALL
+    ) -> Tuple[List[Tuple[int, int, Any]], bool, Optional[int]]:
         """Blocks of ``epoch`` from the one holding ``from_row``: ``(entries, ended, total)``
         with ``entries`` = ``[(start row, rows, ref)]``. At least one block unless the epoch
         has no more (``ended``; ``total`` is then its row count)."""
@@ -173,8 +185,7 @@ class SplitCoordinator:
             ended = stream.ended and (not out or out[-1] is stream.entries[-1])
             return out, ended, stream.next_row if ended else None
 
-    def _note_front(self, stream: _EpochStream, epoch: int, group_epoch: int, rank: int,
-                    world: int, row: int) -> None:
+    def _note_front(self, stream: _EpochStream, epoch: int, group_epoch: int, rank: int, world: int, row: int) -> None:
         key = (epoch, group_epoch)
         fronts = self._fronts.setdefault(key, {})
         fronts[rank] = max(row, fronts.get(rank, 0))
@@ -248,7 +259,8 @@ class DataShards:
                 raise RuntimeError(
                     f"ElasticState restored the positions of datasets {begun} after iterating "
                     "them had begun in this attempt. Fix: construct ElasticState before the "
-                    "first iter_batches / iter_torch_batches / iter_rows call.")
+                    "first iter_batches / iter_torch_batches / iter_rows call."
+                )
             for name, d in positions.items():
                 if name in self._plan.split:
                     self._positions[name] = DataPosition.from_dict(d)
@@ -288,7 +300,8 @@ class DataShards:
             raise KeyError(
                 f"get_dataset_shard({name!r}): no dataset of that name was passed to the "
                 f"trainer (datasets: {names or 'none'}). Fix: pass it in datasets={{{name!r}: ds}}, "
-                "or use one of those names.")
+                "or use one of those names."
+            )
         self._iters[name] = it
         return it
 
@@ -343,8 +356,9 @@ def resolve_datasets(datasets: Dict[str, Any]) -> Dict[str, Any]:
     for name, ds in datasets.items():
         value = ds if isinstance(ds, Dataset) else ds()
         if not isinstance(value, Dataset):
-            raise ConfigError(f"datasets[{name!r}] is a function that returned a "
-                              f"{type(value).__name__}, not a ray.data.Dataset.")
+            raise ConfigError(
+                f"datasets[{name!r}] is a function that returned a {type(value).__name__}, not a ray.data.Dataset."
+            )
         out[name] = value
     return out
 
@@ -360,16 +374,16 @@ def ingest_options(dataset_config: Any, name: str) -> Any:
     return (dataset_config if dataset_config is not None else DataConfig())._resolve_execution_options(name)
 
 
-def start_coordinators(datasets: Dict[str, Any], split: Sequence[str], resources: Dict[str, float],
-                       dataset_config: Any = None) -> DataPlan:
+def start_coordinators(
+    datasets: Dict[str, Any], split: Sequence[str], resources: Dict[str, float], dataset_config: Any = None
+) -> DataPlan:
     """One ``SplitCoordinator`` per split dataset (no CPU: Ray Data's own tasks do the
     work), pinned with ``resources`` (the head node: it must outlive worker nodes). Each
     dataset runs with ``ingest_options``; the split ones also with ``preserve_order``."""
     import ray
     from ray.data import Dataset
 
-    actor = ray.remote(SplitCoordinator).options(num_cpus=0, max_concurrency=8, max_restarts=0,
-                                                 resources=resources)
+    actor = ray.remote(SplitCoordinator).options(num_cpus=0, max_concurrency=8, max_restarts=0, resources=resources)
     options = {name: ingest_options(dataset_config, name) for name in split}
     coords = {name: actor.remote(datasets[name], name, options[name]) for name in split}
     whole = {}
@@ -383,5 +397,5 @@ def start_coordinators(datasets: Dict[str, Any], split: Sequence[str], resources
 def stop_coordinators(plan: Optional[DataPlan]) -> None:
     import ray
 
-    for handle in (plan.split.values() if plan is not None else ()):
+    for handle in plan.split.values() if plan is not None else ():
         ray.kill(handle, no_restart=True)

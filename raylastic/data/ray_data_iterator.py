@@ -18,6 +18,7 @@ from raylastic.data.plan import shard_bounds
 _BLOCKS_PER_CALL = 16  # block references asked of the coordinator per call
 _ROWS_PER_ITEM = 256  # iter_rows: rows cut from the blocks at a time
 
+
 # --------------------------------------------------------------------------------------
 # Pure parts: the position and which rows a rank reads (unit-tested without Ray)
 # --------------------------------------------------------------------------------------
@@ -42,8 +43,9 @@ class DataPosition:
         return cls(epoch=d["epoch"], rows=d["rows"])
 
 
-def item_ranges(start: int, batch_size: int, world_size: int, rank: int, batches: int,
-                total: Optional[int], drop_last: bool) -> Tuple[List[Tuple[int, int]], bool]:
+def item_ranges(
+    start: int, batch_size: int, world_size: int, rank: int, batches: int, total: Optional[int], drop_last: bool
+) -> Tuple[List[Tuple[int, int]], bool]:
     """Rank ``rank``'s row ranges for up to ``batches`` global batches from row ``start``.
 
     A full global batch ``[g, g + b*W)`` gives the rank ``[g + r*b, g + (r+1)*b)``. When the
@@ -57,8 +59,7 @@ def item_ranges(start: int, batch_size: int, world_size: int, rank: int, batches
         raise ValueError(f"batch_size={batch_size}, world_size={world_size}, rank={rank}")
     span = batch_size * world_size
     full = batches if total is None else max(0, min(batches, (total - start) // span))
-    ranges = [(start + i * span + rank * batch_size, start + i * span + (rank + 1) * batch_size)
-              for i in range(full)]
+    ranges = [(start + i * span + rank * batch_size, start + i * span + (rank + 1) * batch_size) for i in range(full)]
     if total is None or full == batches:
         return ranges, total is not None and start + full * span >= total
     tail_start = start + full * span
@@ -84,8 +85,17 @@ class _Pass:
 
     _END = object()
 
-    def __init__(self, coord, group: Tuple[int, int, int], start: DataPosition, batch_size: int,
-                 drop_last: bool, batches_per_item: int, fmt: Callable[[Any], Any], depth: int):
+    def __init__(
+        self,
+        coord,
+        group: Tuple[int, int, int],
+        start: DataPosition,
+        batch_size: int,
+        drop_last: bool,
+        batches_per_item: int,
+        fmt: Callable[[Any], Any],
+        depth: int,
+    ):
         self.coord, self.group = coord, group
         self.start, self.b, self.drop_last = start, batch_size, drop_last
         self.m, self.fmt = batches_per_item, fmt
@@ -193,8 +203,13 @@ class ElasticDataIterator(_data_iterator_base()):  # type: ignore[misc]  # Ray's
     differ from the rows counted), ``to_tf`` / ``iter_tf_batches`` / ``iter_jax_batches``
     / ``materialize`` (no block stream to hand over)."""
 
-    def __init__(self, name: str, coord, shards: Any,  # a ray_data.DataShards (which imports this module)
-                 options: Any = None):
+    def __init__(
+        self,
+        name: str,
+        coord,
+        shards: Any,  # a ray_data.DataShards (which imports this module)
+        options: Any = None,
+    ):
         self._name = name
         self._coord = coord
         self._shards = shards
@@ -207,7 +222,8 @@ class ElasticDataIterator(_data_iterator_base()):  # type: ignore[misc]  # Ray's
         raise ValueError(
             f"get_dataset_shard({self._name!r}) is split by raylastic with a resumable position; "
             "it supports iter_batches, iter_torch_batches and iter_rows only (not to_tf, "
-            "iter_tf_batches, iter_jax_batches, to_torch or materialize).")
+            "iter_tf_batches, iter_jax_batches, to_torch or materialize)."
+        )
 
     def stats(self) -> str:
         import ray
@@ -242,10 +258,18 @@ class ElasticDataIterator(_data_iterator_base()):  # type: ignore[misc]  # Ray's
         return DataPosition.from_dict(self._shards.positions()[self._name])
 
     # -- batches --------------------------------------------------------------------------
-    def _iter_batches(self, *, prefetch_batches: int = 1, batch_size: Optional[int] = 256,
-                      batch_format: Optional[str] = "default", drop_last: bool = False,
-                      local_shuffle_buffer_size: Optional[int] = None,
-                      local_shuffle_seed: Optional[int] = None, _collate_fn=None, _finalize_fn=None):
+    def _iter_batches(
+        self,
+        *,
+        prefetch_batches: int = 1,
+        batch_size: Optional[int] = 256,
+        batch_format: Optional[str] = "default",
+        drop_last: bool = False,
+        local_shuffle_buffer_size: Optional[int] = None,
+        local_shuffle_seed: Optional[int] = None,
+        _collate_fn=None,
+        _finalize_fn=None,
+    ):
         from ray.data.block import BlockAccessor, _apply_batch_format
         from ray.data.iterator import _IterableFromIterator
 
@@ -253,13 +277,15 @@ class ElasticDataIterator(_data_iterator_base()):  # type: ignore[misc]  # Ray's
             raise ValueError(
                 f"get_dataset_shard({self._name!r}).iter_*(batch_size={batch_size!r}): a split "
                 "dataset needs a positive int batch_size (its position is counted in global "
-                "batches of batch_size x world_size rows).")
+                "batches of batch_size x world_size rows)."
+            )
         if local_shuffle_buffer_size is not None:
             raise ValueError(
                 f"get_dataset_shard({self._name!r}): local_shuffle_buffer_size is not supported "
                 "on a split dataset (rows held in the buffer would be counted as trained). Fix: "
                 "shuffle the dataset (ds.random_shuffle(seed=...) or .materialize() after "
-                "random_shuffle()), or shuffle within each batch in the train function.")
+                "random_shuffle()), or shuffle within each batch in the train function."
+            )
         fmt_name = _apply_batch_format(batch_format)
 
         def fmt(table):
@@ -313,7 +339,8 @@ class ElasticDataIterator(_data_iterator_base()):  # type: ignore[misc]  # Ray's
                     if p.stop.is_set() and not p.thread.is_alive():
                         raise RuntimeError(
                             f"this pass over {self._name!r} was closed: a newer iter_* call on "
-                            "the same dataset started (one pass at a time per dataset)") from None
+                            "the same dataset started (one pass at a time per dataset)"
+                        ) from None
                     continue
                 if item is _Pass._END:
                     return

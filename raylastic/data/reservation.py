@@ -92,9 +92,15 @@ class TrainingReservation:
 
         try:
             n = reservable_workers(self.workers, self.bundle, float(ray.cluster_resources().get("CPU", 0.0)))
-            ray.get(self._actor().request_resources.remote(
-                requester_id=self.requester_id, resources=[dict(self.bundle)] * n,
-                expire_after_s=EXPIRE_S, priority=ResourceRequestPriority.HIGH), timeout=GET_TIMEOUT_S)
+            ray.get(
+                self._actor().request_resources.remote(
+                    requester_id=self.requester_id,
+                    resources=[dict(self.bundle)] * n,
+                    expire_after_s=EXPIRE_S,
+                    priority=ResourceRequestPriority.HIGH,
+                ),
+                timeout=GET_TIMEOUT_S,
+            )
             self.reserved = n
         except Exception as e:  # noqa: BLE001 - best effort, as Ray Train's client
             logger.warning("could not reserve the training workers' resources against Ray Data: %s", e)
@@ -107,5 +113,9 @@ class TrainingReservation:
         try:
             ray.get(self._coordinator.cancel_request.remote(requester_id=self.requester_id), timeout=GET_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the request expires after EXPIRE_S anyway
-            logger.warning("could not cancel the Ray Data reservation %s (it expires in %.0f s): %s",
-                           self.requester_id, EXPIRE_S, e)
+            logger.warning(
+                "could not cancel the Ray Data reservation %s (it expires in %.0f s): %s",
+                self.requester_id,
+                EXPIRE_S,
+                e,
+            )

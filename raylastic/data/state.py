@@ -43,8 +43,7 @@ class LoaderState:
         """Parse and sanity-check a dict from :meth:`to_dict` (any version-1 checkpoint)."""
         if not isinstance(state, Mapping):
             raise ValueError(
-                f"state_dict must be a dict from ElasticDataLoader.state_dict(), "
-                f"got {type(state).__name__}"
+                f"state_dict must be a dict from ElasticDataLoader.state_dict(), got {type(state).__name__}"
             )
         if state.get("version") != STATE_VERSION:
             raise ValueError(

@@ -28,8 +28,10 @@ def check_state_kwargs(state_kwargs: Dict[str, Any]) -> None:
     others at ``ElasticState``'s own defaults)."""
     unknown = sorted(set(state_kwargs) - set(STATE_KWARGS))
     if unknown:
-        raise ConfigError(f"prepare_trainer({unknown[0]}=...) is not an ElasticState argument a "
-                          f"prepared trainer passes on. Fix: use one of {', '.join(STATE_KWARGS)}, or none.")
+        raise ConfigError(
+            f"prepare_trainer({unknown[0]}=...) is not an ElasticState argument a "
+            f"prepared trainer passes on. Fix: use one of {', '.join(STATE_KWARGS)}, or none."
+        )
     defaults = inspect.signature(ElasticState.__init__).parameters
     check_state_args(**{name: state_kwargs.get(name, defaults[name].default) for name in STATE_KWARGS})
 
@@ -40,8 +42,15 @@ def restoring_from_memory() -> bool:
     return sess is not None and sess.restore.memory_index is not None
 
 
-def refuse_or_fall_back(why: Union[str, ValueError], allowed: bool, log: logging.Logger, what: str, *,
-                        warn: bool = True, strict_once_elastic: bool = True) -> None:
+def refuse_or_fall_back(
+    why: Union[str, ValueError],
+    allowed: bool,
+    log: logging.Logger,
+    what: str,
+    *,
+    warn: bool = True,
+    strict_once_elastic: bool = True,
+) -> None:
     """Raise ``why`` (as a ValueError) unless falling back to restarts is ``allowed``;
     otherwise log (where ``warn``) that ``what`` is not resized in place, and return.
 
@@ -52,5 +61,9 @@ def refuse_or_fall_back(why: Union[str, ValueError], allowed: bool, log: logging
     if not allowed or (strict_once_elastic and restoring_from_memory()):
         raise why if isinstance(why, ValueError) else ValueError(why)
     if warn:
-        log.warning("raylastic: %s is not resized in place (%s); a resize restarts it from its last "
-                    "reported checkpoint, as under Ray Train", what, why)
+        log.warning(
+            "raylastic: %s is not resized in place (%s); a resize restarts it from its last "
+            "reported checkpoint, as under Ray Train",
+            what,
+            why,
+        )

@@ -21,7 +21,8 @@ def accumulation(global_batch_size: int, world_size: int, micro_batch_size: int)
             f"global_batch_size ({global_batch_size}) is not a multiple of world_size ({world_size}) * "
             f"micro batch size ({micro_batch_size}, the train DataLoader's batch_size): the global batch "
             "cannot stay constant. Pick a global_batch_size divisible by batch_size * every world size "
-            "between min_workers and max_workers (or a batch_size that divides it)")
+            "between min_workers and max_workers (or a batch_size that divides it)"
+        )
     return global_batch_size // per_step
 
 
@@ -41,8 +42,9 @@ def _set(progress: Any, value: int) -> None:
             setattr(progress, name, value)
 
 
-def set_loop_counters(trainer: "pl.Trainer", *, epoch: int, step_in_epoch: int, global_step: int,
-                      accumulate: int) -> None:
+def set_loop_counters(
+    trainer: "pl.Trainer", *, epoch: int, step_in_epoch: int, global_step: int, accumulate: int
+) -> None:
     """Put Lightning's loops where a resumed run stands, before ``fit_loop.reset()``.
 
     ``trainer.current_epoch`` (epoch progress), ``trainer.global_step`` (the optimizer's

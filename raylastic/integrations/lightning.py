@@ -59,12 +59,27 @@ from raylastic.integrations._lightning_loop import accumulation, resume_point, s
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["ElasticBatches", "ElasticDDPStrategy", "ElasticEnvironment", "accumulation",
-           "prepare_trainer", "resume_point", "set_loop_counters"]
+__all__ = [
+    "ElasticBatches",
+    "ElasticDDPStrategy",
+    "ElasticEnvironment",
+    "accumulation",
+    "prepare_trainer",
+    "resume_point",
+    "set_loop_counters",
+]
 
 # DataLoader arguments carried over to the elastic loader's inner DataLoader.
-_CARRIED = ("pin_memory", "persistent_workers", "prefetch_factor", "worker_init_fn",
-            "multiprocessing_context", "timeout", "generator", "pin_memory_device")
+_CARRIED = (
+    "pin_memory",
+    "persistent_workers",
+    "prefetch_factor",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "timeout",
+    "generator",
+    "pin_memory_device",
+)
 
 
 class ElasticBatches:
@@ -99,8 +114,10 @@ class ElasticBatches:
         index = first
         for step in self.loader:
             if len(step.micro_batches) != self.accumulate:
-                raise RuntimeError(f"step {step.step} has {len(step.micro_batches)} micro-batches on rank "
-                                   f"{step.rank}, expected {self.accumulate}")
+                raise RuntimeError(
+                    f"step {step.step} has {len(step.micro_batches)} micro-batches on rank "
+                    f"{step.rank}, expected {self.accumulate}"
+                )
             after = self.loader.state_dict()
             for micro in step.micro_batches:
                 self._after[index] = after
@@ -110,8 +127,10 @@ class ElasticBatches:
     def trained(self, batch_idx: int) -> Dict[str, Any]:
         """Record that the optimizer step ending with micro-batch ``batch_idx`` was taken."""
         if batch_idx not in self._after:
-            raise RuntimeError(f"batch {batch_idx} was not yielded by this epoch's iterator "
-                               f"(have {min(self._after, default=None)}..{max(self._after, default=None)})")
+            raise RuntimeError(
+                f"batch {batch_idx} was not yielded by this epoch's iterator "
+                f"(have {min(self._after, default=None)}..{max(self._after, default=None)})"
+            )
         self.position = self._after[batch_idx]
         for old in [k for k in self._after if k <= batch_idx]:
             del self._after[old]
@@ -213,10 +232,15 @@ class ElasticDDPStrategy(DDPStrategy):
 def _unsupported(trainer: "pl.Trainer", dataloader: object) -> Optional[str]:
     """Why this fit cannot be resized in place, or None."""
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
-        return (f"the train dataloader is a {type(dataloader).__name__}; prepare_trainer needs a torch "
-                "DataLoader over a map-style dataset (its batch_size is the micro batch)")
-    micro = dataloader.batch_size if dataloader.batch_size is not None \
+        return (
+            f"the train dataloader is a {type(dataloader).__name__}; prepare_trainer needs a torch "
+            "DataLoader over a map-style dataset (its batch_size is the micro batch)"
+        )
+    micro = (
+        dataloader.batch_size
+        if dataloader.batch_size is not None
         else getattr(dataloader.batch_sampler, "batch_size", None)
+    )
     if not isinstance(micro, int):
         return "the train DataLoader has no batch_size: give it batch_size= (the micro batch)"
     if not trainer.lightning_module.automatic_optimization:
@@ -229,9 +253,16 @@ def _unsupported(trainer: "pl.Trainer", dataloader: object) -> Optional[str]:
 class _ElasticRun:
     """What one ``fit()`` shares between the strategy (attach) and the callback (commit)."""
 
-    def __init__(self, global_batch_size: Optional[int], accumulate: int, seed: int,
-                 shuffle: Optional[bool], state_kwargs: Dict[str, Any], distributed_sampler: bool,
-                 fallback: bool = False):
+    def __init__(
+        self,
+        global_batch_size: Optional[int],
+        accumulate: int,
+        seed: int,
+        shuffle: Optional[bool],
+        state_kwargs: Dict[str, Any],
+        distributed_sampler: bool,
+        fallback: bool = False,
+    ):
         self.global_batch_size = global_batch_size
         self.fallback, self.warned = fallback, False  # see prepare_trainer(fallback_to_restart=...)
         self.distributed_sampler = distributed_sampler  # the user's Trainer(use_distributed_sampler)
@@ -251,8 +282,11 @@ class _ElasticRun:
             self.warned = True
             return dataloader
         assert isinstance(dataloader, DataLoader)
-        micro = dataloader.batch_size if dataloader.batch_size is not None \
+        micro = (
+            dataloader.batch_size
+            if dataloader.batch_size is not None
             else getattr(dataloader.batch_sampler, "batch_size", None)
+        )
         assert isinstance(micro, int)
         first = self.state is None
         if first:
@@ -269,9 +303,16 @@ class _ElasticRun:
             carried.pop("prefetch_factor", None)
         if dataloader.num_workers == 0:
             carried.pop("persistent_workers", None)
-        loader = ElasticDataLoader(dataloader.dataset, global_batch_size=gbs, micro_batch_size=micro,
-                                   shuffle=shuffle, seed=self.seed, num_workers=dataloader.num_workers,
-                                   collate_fn=dataloader.collate_fn, dataloader_kwargs=carried)
+        loader = ElasticDataLoader(
+            dataloader.dataset,
+            global_batch_size=gbs,
+            micro_batch_size=micro,
+            shuffle=shuffle,
+            seed=self.seed,
+            num_workers=dataloader.num_workers,
+            collate_fn=dataloader.collate_fn,
+            dataloader_kwargs=carried,
+        )
         batches = ElasticBatches(loader, accumulate, lambda: trainer.current_epoch)
         batches.position = self.batches.position if self.batches is not None else self.position.value
         self.batches = batches
@@ -279,8 +320,9 @@ class _ElasticRun:
             epoch, step = resume_point(self.position.value, len(loader))
             self.committed_step = self.state.global_step
             if self.state.restored_from != "none":
-                set_loop_counters(trainer, epoch=epoch, step_in_epoch=step, global_step=self.committed_step,
-                                  accumulate=accumulate)
+                set_loop_counters(
+                    trainer, epoch=epoch, step_in_epoch=step, global_step=self.committed_step, accumulate=accumulate
+                )
         return batches
 
     def shard_eval(self, trainer: "pl.Trainer", dataloader: object) -> object:
@@ -294,7 +336,8 @@ class _ElasticRun:
             stage = trainer.state.stage
             assert stage is not None
             return trainer._data_connector._prepare_dataloader(
-                dataloader, shuffle=_is_dataloader_shuffled(dataloader), mode=stage)
+                dataloader, shuffle=_is_dataloader_shuffled(dataloader), mode=stage
+            )
         finally:
             connector.use_distributed_sampler = False
 
@@ -303,9 +346,15 @@ class _ElasticRun:
 
         module = trainer.lightning_module
         schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
-        return ElasticState(model=module, optimizer=trainer.optimizers[0],
-                            lr_scheduler=_Schedulers(schedulers) if schedulers else None,
-                            loader=self.position, global_step=0, global_batch_size=0, **self.state_kwargs)
+        return ElasticState(
+            model=module,
+            optimizer=trainer.optimizers[0],
+            lr_scheduler=_Schedulers(schedulers) if schedulers else None,
+            loader=self.position,
+            global_step=0,
+            global_batch_size=0,
+            **self.state_kwargs,
+        )
 
     def after_batch(self, trainer: "pl.Trainer", batch_idx: int) -> None:
         """Commit after each optimizer step (a no-op on accumulating micro-batches)."""
@@ -345,8 +394,9 @@ class _CommitCallback(pl.Callback):
     def __init__(self, run: _ElasticRun):
         self._run = run
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._run.after_batch(trainer, batch_idx)
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -360,9 +410,15 @@ class _CommitCallback(pl.Callback):
         return self._run.state.restored_from if self._run.state is not None else "none"
 
 
-def prepare_trainer(trainer: "pl.Trainer", global_batch_size: Optional[int] = None, *, seed: Optional[int] = None,
-                    shuffle: Optional[bool] = None, fallback_to_restart: bool = False,
-                    **state_kwargs: Any) -> "pl.Trainer":
+def prepare_trainer(
+    trainer: "pl.Trainer",
+    global_batch_size: Optional[int] = None,
+    *,
+    seed: Optional[int] = None,
+    shuffle: Optional[bool] = None,
+    fallback_to_restart: bool = False,
+    **state_kwargs: Any,
+) -> "pl.Trainer":
     """Make ``trainer`` resize in place under raylastic; returns it. Call before ``fit``.
 
     Args:
@@ -390,9 +446,15 @@ def prepare_trainer(trainer: "pl.Trainer", global_batch_size: Optional[int] = No
     check_state_kwargs(state_kwargs)
     old = trainer.strategy
     if not isinstance(old, (DDPStrategy, SingleDeviceStrategy)) or type(old).__name__ not in (
-            "DDPStrategy", "SingleDeviceStrategy", "RayDDPStrategy", "ElasticDDPStrategy"):
-        why = (f"prepare_trainer supports Trainer(strategy='ddp' | 'auto' | RayDDPStrategy()), "
-               f"not {type(old).__name__}: sharded strategies are not wired to ElasticState here")
+        "DDPStrategy",
+        "SingleDeviceStrategy",
+        "RayDDPStrategy",
+        "ElasticDDPStrategy",
+    ):
+        why = (
+            f"prepare_trainer supports Trainer(strategy='ddp' | 'auto' | RayDDPStrategy()), "
+            f"not {type(old).__name__}: sharded strategies are not wired to ElasticState here"
+        )
         return _fallback(trainer, why, fallback_to_restart)
     if isinstance(old, ElasticDDPStrategy):  # prepared already: take the arguments given
         run = old._run
@@ -404,23 +466,39 @@ def prepare_trainer(trainer: "pl.Trainer", global_batch_size: Optional[int] = No
         return trainer
     callbacks: List[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by its connector
     if any(isinstance(c, GradientAccumulationScheduler) for c in callbacks):
-        return _fallback(trainer, "GradientAccumulationScheduler conflicts with prepare_trainer, which sets "
-                         "accumulate_grad_batches from the world size: remove the callback", fallback_to_restart)
+        return _fallback(
+            trainer,
+            "GradientAccumulationScheduler conflicts with prepare_trainer, which sets "
+            "accumulate_grad_batches from the world size: remove the callback",
+            fallback_to_restart,
+        )
     # As in the HF integration: each commit reports the step's metrics, and the callback's
     # per-epoch checkpoint would be the run's newest (ahead of the epoch's deferred commit):
     # a resize there would restore from storage, a state ElasticState did not write.
     for cb in [c for c in callbacks if type(c).__name__ == "RayTrainReportCallback"]:
         callbacks.remove(cb)
     connector = trainer._accelerator_connector
-    run = _ElasticRun(global_batch_size, trainer.accumulate_grad_batches, seed or 0, shuffle, state_kwargs,
-                      distributed_sampler=connector.use_distributed_sampler, fallback=fallback_to_restart)
+    run = _ElasticRun(
+        global_batch_size,
+        trainer.accumulate_grad_batches,
+        seed or 0,
+        shuffle,
+        state_kwargs,
+        distributed_sampler=connector.use_distributed_sampler,
+        fallback=fallback_to_restart,
+    )
     if trainer.accelerator.__class__.__name__ == "CUDAAccelerator":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
     ddp_kwargs = dict(old._ddp_kwargs) if isinstance(old, DDPStrategy) else {}
-    strategy = ElasticDDPStrategy(run, accelerator=old.accelerator, parallel_devices=[device],
-                                  cluster_environment=ElasticEnvironment(), **ddp_kwargs)
+    strategy = ElasticDDPStrategy(
+        run,
+        accelerator=old.accelerator,
+        parallel_devices=[device],
+        cluster_environment=ElasticEnvironment(),
+        **ddp_kwargs,
+    )
     connector.strategy = strategy
     connector._lazy_init_strategy()  # accelerator, precision, checkpoint_io, ranks (as Trainer() does)
     connector.use_distributed_sampler = False  # the train loader arrives as the user built it (shard_eval)

@@ -66,8 +66,11 @@ __all__ = ["prepare_trainer", "elastic_state", "gradient_accumulation_steps", "p
 
 def gradient_accumulation_steps(global_batch_size: int, world_size: int, per_device_batch_size: int) -> int:
     """Micro-batches per optimizer step that keep ``global_batch_size`` samples per step."""
-    for name, value in (("global_batch_size", global_batch_size), ("world_size", world_size),
-                        ("per_device_train_batch_size", per_device_batch_size)):
+    for name, value in (
+        ("global_batch_size", global_batch_size),
+        ("world_size", world_size),
+        ("per_device_train_batch_size", per_device_batch_size),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} ({value!r}) must be a positive int")
     per_round = world_size * per_device_batch_size
@@ -77,17 +80,21 @@ def gradient_accumulation_steps(global_batch_size: int, world_size: int, per_dev
             f"per_device_train_batch_size ({per_device_batch_size}) = {per_round}: gradient accumulation "
             "cannot keep the global batch constant at this world size. Pick a global_batch_size divisible "
             "by per_device_train_batch_size * every world size between min_workers and max_workers "
-            "(or a per_device_train_batch_size that divides it)")
+            "(or a per_device_train_batch_size that divides it)"
+        )
     return global_batch_size // per_round
 
 
-def planned_max_steps(num_examples: int, global_batch_size: int, num_train_epochs: float,
-                      max_steps: int) -> tuple[int, int]:
+def planned_max_steps(
+    num_examples: int, global_batch_size: int, num_train_epochs: float, max_steps: int
+) -> tuple[int, int]:
     """``(steps_per_epoch, max_steps)`` at a fixed global batch (the partial tail is dropped)."""
     steps_per_epoch = num_examples // global_batch_size
     if steps_per_epoch == 0:
-        raise ValueError(f"global_batch_size ({global_batch_size}) > len(train_dataset) ({num_examples}): "
-                         "an epoch would have no step; lower global_batch_size")
+        raise ValueError(
+            f"global_batch_size ({global_batch_size}) > len(train_dataset) ({num_examples}): "
+            "an epoch would have no step; lower global_batch_size"
+        )
     if max_steps > 0:
         return steps_per_epoch, max_steps
     if num_train_epochs <= 0:
@@ -98,16 +105,26 @@ def planned_max_steps(num_examples: int, global_batch_size: int, num_train_epoch
 def _check_args(trainer: Trainer) -> None:
     args = trainer.args
     refusals = [
-        (getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False),
-         "deepspeed / fsdp: the elastic Trainer supports replicated (DDP) models; use "
-         "ElasticState(engine=...) or FSDP2 with ElasticState directly"),
-        (args.auto_find_batch_size, "auto_find_batch_size: it changes per_device_train_batch_size "
-         "mid-run, which would move the global batch; set it to False"),
-        (args.n_gpu > 1, f"n_gpu ({args.n_gpu}): one process per GPU is needed (DataParallel is not "
-         "supported); give each worker one GPU"),
-        (getattr(args, "train_sampling_strategy", "random") != "random",
-         f"train_sampling_strategy ({getattr(args, 'train_sampling_strategy', None)!r}): the elastic data "
-         "plan replaces the sampler; use 'random'"),
+        (
+            getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False),
+            "deepspeed / fsdp: the elastic Trainer supports replicated (DDP) models; use "
+            "ElasticState(engine=...) or FSDP2 with ElasticState directly",
+        ),
+        (
+            args.auto_find_batch_size,
+            "auto_find_batch_size: it changes per_device_train_batch_size "
+            "mid-run, which would move the global batch; set it to False",
+        ),
+        (
+            args.n_gpu > 1,
+            f"n_gpu ({args.n_gpu}): one process per GPU is needed (DataParallel is not "
+            "supported); give each worker one GPU",
+        ),
+        (
+            getattr(args, "train_sampling_strategy", "random") != "random",
+            f"train_sampling_strategy ({getattr(args, 'train_sampling_strategy', None)!r}): the elastic data "
+            "plan replaces the sampler; use 'random'",
+        ),
     ]
     for refused, why in refusals:
         if refused:
@@ -116,7 +133,8 @@ def _check_args(trainer: Trainer) -> None:
     if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         raise ValueError(
             f"train_dataset ({type(dataset).__name__}) must be a map-style dataset (__getitem__ and "
-            "__len__): the elastic data plan places every sample exactly once per epoch by index")
+            "__len__): the elastic data plan places every sample exactly once per epoch by index"
+        )
 
 
 def _saved_global_batch(sess: "_session.Session") -> int | None:
@@ -182,8 +200,7 @@ class _RestoreFirst(TrainerCallback):
 class _ElasticCallback(TrainerCallback):
     """Restores before the first step and commits at ``on_step_end`` (see the module docstring)."""
 
-    def __init__(self, trainer: Trainer, batches: _TrainBatches, global_batch_size: int,
-                 state_kwargs: dict[str, Any]):
+    def __init__(self, trainer: Trainer, batches: _TrainBatches, global_batch_size: int, state_kwargs: dict[str, Any]):
         self.trainer, self.batches, self.global_batch_size = trainer, batches, global_batch_size
         self.state_kwargs = state_kwargs
         self.state: ElasticState | None = None
@@ -193,12 +210,19 @@ class _ElasticCallback(TrainerCallback):
     def restore(self, state: Any) -> None:
         tr = self.trainer
         optimizer = getattr(tr.optimizer, "optimizer", tr.optimizer)  # Accelerate's wrapper holds the torch one
-        self.state = ElasticState(model=tr.accelerator.unwrap_model(tr.model), optimizer=optimizer,
-                                  lr_scheduler=tr.lr_scheduler, loader=self.batches.loader, step=0,
-                                  **self.state_kwargs)
+        self.state = ElasticState(
+            model=tr.accelerator.unwrap_model(tr.model),
+            optimizer=optimizer,
+            lr_scheduler=tr.lr_scheduler,
+            loader=self.batches.loader,
+            step=0,
+            **self.state_kwargs,
+        )
         if self.state.step != self.batches.steps_done():
-            raise RuntimeError(f"restored step ({self.state.step}) != the data position's "
-                               f"({self.batches.steps_done()}): the snapshot is inconsistent")
+            raise RuntimeError(
+                f"restored step ({self.state.step}) != the data position's "
+                f"({self.batches.steps_done()}): the snapshot is inconsistent"
+            )
         state.global_step = self.state.step
         state.epoch = self.state.step / self.batches.steps_per_epoch
         # HF set these from global_step 0 before this hook; the loss averages and the final
@@ -209,9 +233,13 @@ class _ElasticCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         assert self.state is not None, "_RestoreFirst.on_train_begin builds the ElasticState"
         state.epoch = state.global_step / self.batches.steps_per_epoch
-        metrics: dict[str, Any] = {"step": state.global_step, "epoch": state.epoch,
-                                   "world_size": args.world_size, "global_batch_size": self.global_batch_size,
-                                   "gradient_accumulation_steps": args.gradient_accumulation_steps}
+        metrics: dict[str, Any] = {
+            "step": state.global_step,
+            "epoch": state.epoch,
+            "world_size": args.world_size,
+            "global_batch_size": self.global_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        }
         loss = self._step_loss()
         if loss is not None:
             metrics["loss"] = loss
@@ -252,7 +280,8 @@ def _plan(trainer: Trainer, global_batch_size: int | None) -> tuple[Any, int, in
         raise RuntimeError(
             f"TrainingArguments.world_size ({args.world_size}) != the group's ({world}): Accelerate's state is "
             "stale; build TrainingArguments inside the train function (raylastic resets Accelerate's "
-            "singletons before each attempt)")
+            "singletons before each attempt)"
+        )
     per_device = args.per_device_train_batch_size
     saved = _saved_global_batch(sess)
     if global_batch_size is None:
@@ -260,17 +289,21 @@ def _plan(trainer: Trainer, global_batch_size: int | None) -> tuple[Any, int, in
         full = sess.spec.max_workers or world
         global_batch_size = saved if saved is not None else per_device * args.gradient_accumulation_steps * full
     elif saved is not None and saved != global_batch_size:
-        raise ValueError(f"global_batch_size ({global_batch_size}) != the restored state's ({saved}): "
-                         f"pass global_batch_size={saved} or start a new run")
+        raise ValueError(
+            f"global_batch_size ({global_batch_size}) != the restored state's ({saved}): "
+            f"pass global_batch_size={saved} or start a new run"
+        )
     ga = gradient_accumulation_steps(global_batch_size, world, per_device)
     dataset: Any = trainer.train_dataset  # map-style (checked above)
-    steps_per_epoch, max_steps = planned_max_steps(len(dataset), global_batch_size,
-                                                   args.num_train_epochs, args.max_steps)
+    steps_per_epoch, max_steps = planned_max_steps(
+        len(dataset), global_batch_size, args.num_train_epochs, args.max_steps
+    )
     return args, global_batch_size, ga, steps_per_epoch, max_steps
 
 
-def prepare_trainer(trainer: Trainer, global_batch_size: int | None = None, *,
-                    fallback_to_restart: bool = False, **state_kwargs: Any) -> Trainer:
+def prepare_trainer(
+    trainer: Trainer, global_batch_size: int | None = None, *, fallback_to_restart: bool = False, **state_kwargs: Any
+) -> Trainer:
     """Make ``trainer`` elastic under raylastic; call it last, right before ``trainer.train()``.
 
     Args:
@@ -315,10 +348,15 @@ def prepare_trainer(trainer: Trainer, global_batch_size: int | None = None, *,
     args.gradient_accumulation_steps, args.max_steps = ga, max_steps
     collate = trainer._get_collator_with_removed_columns(trainer.data_collator, description="training")
     loader = ElasticDataLoader(
-        dataset, global_batch_size=global_batch_size, micro_batch_size=per_device,
-        shuffle=True, seed=args.data_seed if args.data_seed is not None else args.seed,
-        num_workers=args.dataloader_num_workers, collate_fn=collate,
-        dataloader_kwargs={"pin_memory": bool(args.dataloader_pin_memory and torch.cuda.is_available())})
+        dataset,
+        global_batch_size=global_batch_size,
+        micro_batch_size=per_device,
+        shuffle=True,
+        seed=args.data_seed if args.data_seed is not None else args.seed,
+        num_workers=args.dataloader_num_workers,
+        collate_fn=collate,
+        dataloader_kwargs={"pin_memory": bool(args.dataloader_pin_memory and torch.cuda.is_available())},
+    )
     batches = _TrainBatches(loader, max_steps, steps_per_epoch)
     # HF iterates it like a dataloader without a length (then it trusts max_steps)
     trainer.get_train_dataloader = lambda: batches  # type: ignore[method-assign,assignment,return-value]

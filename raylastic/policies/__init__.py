@@ -20,6 +20,9 @@ def from_configs(scaling: Any) -> Tuple[ElasticScalingPolicy, Optional[Any]]:
     ``max_wait_s`` set in both places.
     """
     cap = scaling.capacity
-    policy = ElasticScalingPolicy(min_workers=scaling.min_workers, max_workers=scaling.max_workers,
-                                  max_wait_s=scaling.max_wait_s if cap is None else None)
+    policy = ElasticScalingPolicy(
+        min_workers=scaling.min_workers,
+        max_workers=scaling.max_workers,
+        max_wait_s=scaling.max_wait_s if cap is None else None,
+    )
     return policy, cap

@@ -120,36 +120,71 @@ class CapacityPolicy:
                 object.__setattr__(self, name, enum.parse(getattr(self, name), f"CapacityPolicy.{name}"))
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"{e}. Fix: pass {name}=" + " or ".join(repr(m.value) for m in enum)) from None
-        seconds = {"fallback_after_s": "0 requests on-demand as soon as spot is short",
-                   "max_wait_s": "30 minutes: max_wait_s=1800", "on_demand_boot_s": "180 s is typical",
-                   "spot_wait_s": "None: half of max_wait_s"}
+        seconds = {
+            "fallback_after_s": "0 requests on-demand as soon as spot is short",
+            "max_wait_s": "30 minutes: max_wait_s=1800",
+            "on_demand_boot_s": "180 s is typical",
+            "spot_wait_s": "None: half of max_wait_s",
+        }
         for name, hint in seconds.items():  # ranges of the first two below, with their own messages
-            check_number(getattr(self, name), f"CapacityPolicy.{name}", unit="seconds",
-                         minimum=None if name in ("fallback_after_s", "max_wait_s") else 0,
-                         none_means="half of max_wait_s" if name == "spot_wait_s" else None,
-                         fix=f"pass {name} as seconds ({hint})")
-        check_number(self.fixed_usd_per_hour, "CapacityPolicy.fixed_usd_per_hour", minimum=0,
-                     fix="pass the run's fixed cost in USD per hour (head node, licences), or 0")
-        check_number(self.deadline_margin, "CapacityPolicy.deadline_margin", minimum=0,
-                     fix="pass a fraction of deadline_s such as 0.1 (finish 10% early)")
-        check_number(self.deadline_s, "CapacityPolicy.deadline_s", above=0, unit="seconds",
-                     none_means="no deadline", fix="pass the seconds from fit() the run must finish in, or None")
-        check_int(self.max_on_demand_workers, "CapacityPolicy.max_on_demand_workers", minimum=None,
-                  none_means="up to max_workers", fix="pass a number of workers >= 0, or None")
+            check_number(
+                getattr(self, name),
+                f"CapacityPolicy.{name}",
+                unit="seconds",
+                minimum=None if name in ("fallback_after_s", "max_wait_s") else 0,
+                none_means="half of max_wait_s" if name == "spot_wait_s" else None,
+                fix=f"pass {name} as seconds ({hint})",
+            )
+        check_number(
+            self.fixed_usd_per_hour,
+            "CapacityPolicy.fixed_usd_per_hour",
+            minimum=0,
+            fix="pass the run's fixed cost in USD per hour (head node, licences), or 0",
+        )
+        check_number(
+            self.deadline_margin,
+            "CapacityPolicy.deadline_margin",
+            minimum=0,
+            fix="pass a fraction of deadline_s such as 0.1 (finish 10% early)",
+        )
+        check_number(
+            self.deadline_s,
+            "CapacityPolicy.deadline_s",
+            above=0,
+            unit="seconds",
+            none_means="no deadline",
+            fix="pass the seconds from fit() the run must finish in, or None",
+        )
+        check_int(
+            self.max_on_demand_workers,
+            "CapacityPolicy.max_on_demand_workers",
+            minimum=None,
+            none_means="up to max_workers",
+            fix="pass a number of workers >= 0, or None",
+        )
         check_bool(self.return_to_spot, "CapacityPolicy.return_to_spot")
-        check_instance(self.prices, PriceTable, "CapacityPolicy.prices",
-                       "prices=PriceTable.from_mapping({'spot': 0.9, 'on_demand': 3.0}), or None", optional=True)
+        check_instance(
+            self.prices,
+            PriceTable,
+            "CapacityPolicy.prices",
+            "prices=PriceTable.from_mapping({'spot': 0.9, 'on_demand': 3.0}), or None",
+            optional=True,
+        )
         if self.deadline_margin >= 1:
-            raise ConfigError(f"CapacityPolicy.deadline_margin={self.deadline_margin!r} is a fraction of "
-                              "deadline_s and must be < 1. Fix: e.g. 0.1 (finish 10% early)")
+            raise ConfigError(
+                f"CapacityPolicy.deadline_margin={self.deadline_margin!r} is a fraction of "
+                "deadline_s and must be < 1. Fix: e.g. 0.1 (finish 10% early)"
+            )
         if self.fallback_after_s < 0:
             raise ConfigError(
                 f"CapacityPolicy.fallback_after_s ({self.fallback_after_s}) must be >= 0. "
                 "Fix: use 0 to request on-demand as soon as spot is short"
             )
         if self.max_wait_s <= 0:
-            raise ConfigError(f"CapacityPolicy.max_wait_s ({self.max_wait_s}) must be > 0. Fix: it is finite "
-                              "by design; pass the seconds to wait below min_workers, e.g. 1800")
+            raise ConfigError(
+                f"CapacityPolicy.max_wait_s ({self.max_wait_s}) must be > 0. Fix: it is finite "
+                "by design; pass the seconds to wait below min_workers, e.g. 1800"
+            )
         cap = self.max_on_demand_workers
         if cap is not None and cap < 0:
             raise ConfigError(
@@ -175,19 +210,24 @@ class CapacityPolicy:
 
     def _check_node_types(self) -> None:
         if not isinstance(self.node_types, (tuple, list)):
-            raise error("CapacityPolicy.node_types", self.node_types, "a tuple of NodeType",
-                        "pass node_types=(NodeType(name=..., market='spot'), NodeType(name=..., "
-                        "market='on_demand'))", wrong_type=True)
+            raise error(
+                "CapacityPolicy.node_types",
+                self.node_types,
+                "a tuple of NodeType",
+                "pass node_types=(NodeType(name=..., market='spot'), NodeType(name=..., market='on_demand'))",
+                wrong_type=True,
+            )
         types = tuple(self.node_types)
         object.__setattr__(self, "node_types", types)
         for t in types:
             if not isinstance(t, NodeType):
-                raise ConfigError(f"CapacityPolicy.node_types: {t!r} is not a NodeType. Fix: pass "
-                                  "NodeType(name=..., market=...) objects")
+                raise ConfigError(
+                    f"CapacityPolicy.node_types: {t!r} is not a NodeType. Fix: pass "
+                    "NodeType(name=..., market=...) objects"
+                )
         names = [t.name for t in types]
         if len(set(names)) != len(names):
-            raise ConfigError(f"CapacityPolicy.node_types: duplicate names in {names}. Fix: name each "
-                              "node type once")
+            raise ConfigError(f"CapacityPolicy.node_types: duplicate names in {names}. Fix: name each node type once")
         for market in Market:
             of_market = [t.name for t in types if t.market is market]
             if len(of_market) != 1:
@@ -214,8 +254,7 @@ class CapacityPolicy:
             if t.name == name:
                 return t
         raise UnknownNodeTypeError(
-            f"unknown node type {name!r}; CapacityPolicy.node_types defines "
-            f"{[t.name for t in self.node_types]}"
+            f"unknown node type {name!r}; CapacityPolicy.node_types defines {[t.name for t in self.node_types]}"
         )
 
     @property
@@ -261,16 +300,27 @@ class CapacityPolicy:
     def to_record(self) -> Dict[str, Any]:
         """The configuration as a plain record for the event log."""
         return {
-            "kind": "capacity.config", "prefer": self.prefer.value,
-            "objective": self.objective.value, "deadline_s": self.deadline_s,
-            "deadline_margin": self.deadline_margin, "on_demand_boot_s": self.on_demand_boot_s,
-            "spot_wait_s": self.spot_wait_after_s, "fixed_usd_per_hour": self.fixed_usd_per_hour,
+            "kind": "capacity.config",
+            "prefer": self.prefer.value,
+            "objective": self.objective.value,
+            "deadline_s": self.deadline_s,
+            "deadline_margin": self.deadline_margin,
+            "on_demand_boot_s": self.on_demand_boot_s,
+            "spot_wait_s": self.spot_wait_after_s,
+            "fixed_usd_per_hour": self.fixed_usd_per_hour,
             "fallback_after_s": self.fallback_after_s,
             "max_on_demand_workers": self.max_on_demand_workers,
-            "return_to_spot": self.return_to_spot, "max_wait_s": self.max_wait_s,
-            "node_types": {t.name: {"market": t.market.value, "resource": t.resource_key,
-                                    "labels": t.labels, "worker_resources": t.worker_resources}
-                           for t in self.node_types},
+            "return_to_spot": self.return_to_spot,
+            "max_wait_s": self.max_wait_s,
+            "node_types": {
+                t.name: {
+                    "market": t.market.value,
+                    "resource": t.resource_key,
+                    "labels": t.labels,
+                    "worker_resources": t.worker_resources,
+                }
+                for t in self.node_types
+            },
             "prices": self.prices.to_record() if self.prices is not None else None,
         }
 
@@ -285,14 +335,21 @@ class CapacityPolicy:
                 self.node_type(name)
         below_since = self._below_min_since(snap, state)
         if below_since is not None and snap.now_s - below_since >= self.max_wait_s:
-            return CapacityStep(self._give_up(snap, snap.now_s - below_since),
-                                replace(state, below_min_since_s=below_since), self._phase_now(state))
+            return CapacityStep(
+                self._give_up(snap, snap.now_s - below_since),
+                replace(state, below_min_since_s=below_since),
+                self._phase_now(state),
+            )
         if self.prefer is Market.ON_DEMAND:
             od, M = self.on_demand.name, snap.max_workers
             want = {self.spot.name: 0, od: min(self._cap(M), M)}
-            d = self._request_change(snap, want, f"prefer='on_demand': {want[od]} on-demand "
-                                     f"worker(s) (max_workers={M}, max_on_demand_workers="
-                                     f"{self.max_on_demand_workers})")
+            d = self._request_change(
+                snap,
+                want,
+                f"prefer='on_demand': {want[od]} on-demand "
+                f"worker(s) (max_workers={M}, max_on_demand_workers="
+                f"{self.max_on_demand_workers})",
+            )
             return CapacityStep(d, CapacityState(None, below_since), CapacityPhase.ON_DEMAND_ONLY)
         if self.deadline_s is not None and snap.progress is not None and snap.progress.total_steps is None:
             raise ValueError("CapacityPolicy.deadline_s needs the run's length: set RunConfig.total_steps")
@@ -316,17 +373,20 @@ class CapacityPolicy:
         return GiveUp(
             f"only {available} of min_workers={snap.min_workers} worker slots available for "
             f"{waited_s:.1f} s (max_wait_s={self.max_wait_s})",
-            max_wait_s=self.max_wait_s, waited_s=waited_s, available=available,
-            min_workers=snap.min_workers, ready=dict(snap.ready),
-            max_on_demand_workers=self.max_on_demand_workers)
+            max_wait_s=self.max_wait_s,
+            waited_s=waited_s,
+            available=available,
+            min_workers=snap.min_workers,
+            ready=dict(snap.ready),
+            max_on_demand_workers=self.max_on_demand_workers,
+        )
 
     def _phase_now(self, state: CapacityState) -> CapacityPhase:
         if self.prefer is Market.ON_DEMAND:
             return CapacityPhase.ON_DEMAND_ONLY
         return CapacityPhase.SPOT_SHORT if state.spot_short_since_s is not None else CapacityPhase.SPOT
 
-    def _decide_spot(self, snap: CapacitySnapshot, state: CapacityState,
-                     below_since: Optional[float]) -> CapacityStep:
+    def _decide_spot(self, snap: CapacitySnapshot, state: CapacityState, below_since: Optional[float]) -> CapacityStep:
         sp, od, M, m, now = self.spot.name, self.on_demand.name, snap.max_workers, snap.min_workers, snap.now_s
         ready_s = min(snap.ready.get(sp, 0), M)
         grp_s, grp_d = snap.in_group.get(sp, 0), snap.in_group.get(od, 0)
@@ -337,27 +397,39 @@ class CapacityPolicy:
         unreachable = _since(state.unreachable_since_s, now) if plan.unreachable else None
         new_state = CapacityState(short_since, below_since, low_since, unreachable)
         if unreachable is not None and now - unreachable >= self.unreachable_after_s:
-            return CapacityStep(DeadlineUnreachable(plan.reason, deadline_s=float(self.deadline_s or 0.0),
-                                                    numbers=plan.numbers), new_state, CapacityPhase.FALLBACK)
+            return CapacityStep(
+                DeadlineUnreachable(plan.reason, deadline_s=float(self.deadline_s or 0.0), numbers=plan.numbers),
+                new_state,
+                CapacityPhase.FALLBACK,
+            )
 
         # Rule 2: on-demand workers no longer wanted leave the group at a checkpoint boundary.
         target_s = min(ready_s, M - keep_d)
         moves = grp_d - keep_d
         shrink_ok = target_s > grp_s or (self.deadline_s is not None and target_s >= grp_s)
-        returning = (self.return_to_spot and moves > 0 and target_s + keep_d >= max(m, 1) and shrink_ok)
+        returning = self.return_to_spot and moves > 0 and target_s + keep_d >= max(m, 1) and shrink_ok
         if returning and snap.at_checkpoint_boundary:
-            return CapacityStep(MigrateToSpot(
-                workers=moves, target={sp: target_s, od: keep_d}, numbers=plan.numbers,
-                reason=f"{moves} on-demand worker(s) no longer wanted ({plan.reason}; {ready_s} spot "
-                       f"slot(s) ready, {grp_s} in use): re-forming with {target_s} spot + {keep_d} "
-                       "on-demand at this checkpoint boundary; return_to_spot=True"), new_state,
-                CapacityPhase.RETURNING)
+            return CapacityStep(
+                MigrateToSpot(
+                    workers=moves,
+                    target={sp: target_s, od: keep_d},
+                    numbers=plan.numbers,
+                    reason=f"{moves} on-demand worker(s) no longer wanted ({plan.reason}; {ready_s} spot "
+                    f"slot(s) ready, {grp_s} in use): re-forming with {target_s} spot + {keep_d} "
+                    "on-demand at this checkpoint boundary; return_to_spot=True",
+                ),
+                new_state,
+                CapacityPhase.RETURNING,
+            )
 
         # Rule 3: keep the standing autoscaler request right.
         want_d = max(plan.workers, grp_d)
         want = {sp: M if self.return_to_spot else M - want_d, od: want_d}
-        why = plan.reason if plan.workers or not grp_d else \
-            f"{grp_d} on-demand worker(s) still in the group; spot slots ready {ready_s}/{M}"
+        why = (
+            plan.reason
+            if plan.workers or not grp_d
+            else f"{grp_d} on-demand worker(s) still in the group; spot slots ready {ready_s}/{M}"
+        )
         d = self._request_change(snap, want, why, plan.numbers)
         if returning or (not short and (want_d or snap.requested.get(od, 0))):
             phase = CapacityPhase.RETURNING if self.return_to_spot else CapacityPhase.FALLBACK
@@ -373,63 +445,99 @@ class CapacityPolicy:
             phase = CapacityPhase.SPOT
         return CapacityStep(d, new_state, phase)
 
-    def _plan(self, snap: CapacitySnapshot, ready_s: int, grp_d: int, short_since: Optional[float],
-              low_since: Optional[float]) -> Tuple[OnDemandPlan, int]:
+    def _plan(
+        self, snap: CapacitySnapshot, ready_s: int, grp_d: int, short_since: Optional[float], low_since: Optional[float]
+    ) -> Tuple[OnDemandPlan, int]:
         """The on-demand workers wanted now (objective, then deadline) and how many of the
         group's on-demand workers to keep."""
         M, m, now, cap = snap.max_workers, snap.min_workers, snap.now_s, self._cap(snap.max_workers)
         if self.objective is Objective.TIME:
             short_for = now - short_since if short_since is not None else 0.0
             n = min(cap, M - ready_s) if short_since is not None and short_for >= self.fallback_after_s else 0
-            plan = OnDemandPlan(n, f"objective='time': spot short for {short_for:.1f} s "
-                                   f"(fallback_after_s={self.fallback_after_s}): {ready_s} of {M} spot "
-                                   f"slot(s) ready; {n} on-demand (max_on_demand_workers="
-                                   f"{self.max_on_demand_workers})" if short_since is not None
-                                else f"spot covers max_workers={M}")
+            plan = OnDemandPlan(
+                n,
+                f"objective='time': spot short for {short_for:.1f} s "
+                f"(fallback_after_s={self.fallback_after_s}): {ready_s} of {M} spot "
+                f"slot(s) ready; {n} on-demand (max_on_demand_workers="
+                f"{self.max_on_demand_workers})"
+                if short_since is not None
+                else f"spot covers max_workers={M}",
+            )
             keep = min(grp_d, M - ready_s)
         else:
             low_for = now - low_since if low_since is not None else 0.0
             prices = self.prices.usd_per_hour if self.prices is not None else {}
-            plan = cost_fill(spot=ready_s, min_workers=m, max_workers=M, p_spot=prices.get(self.spot.name),
-                             p_od=prices.get(self.on_demand.name), fixed_usd_h=self.fixed_usd_per_hour,
-                             progress=snap.progress, max_fill=cap)
+            plan = cost_fill(
+                spot=ready_s,
+                min_workers=m,
+                max_workers=M,
+                p_spot=prices.get(self.spot.name),
+                p_od=prices.get(self.on_demand.name),
+                fixed_usd_h=self.fixed_usd_per_hour,
+                progress=snap.progress,
+                max_fill=cap,
+            )
             if low_since is not None and low_for < self.fallback_after_s:
-                plan = OnDemandPlan(0, f"spot below min_workers for {low_for:.1f} s (< fallback_after_s="
-                                       f"{self.fallback_after_s})", plan.numbers)
+                plan = OnDemandPlan(
+                    0,
+                    f"spot below min_workers for {low_for:.1f} s (< fallback_after_s={self.fallback_after_s})",
+                    plan.numbers,
+                )
             elif low_since is not None and low_for >= self.spot_wait_after_s and not plan.workers:
                 n = min(cap, m - ready_s)
-                plan = OnDemandPlan(n if ready_s + n >= m else 0,
-                                    f"spot below min_workers for {low_for:.1f} s >= spot_wait_s="
-                                    f"{self.spot_wait_after_s:g}: filling to min_workers with {n} on-demand",
-                                    plan.numbers)
+                plan = OnDemandPlan(
+                    n if ready_s + n >= m else 0,
+                    f"spot below min_workers for {low_for:.1f} s >= spot_wait_s="
+                    f"{self.spot_wait_after_s:g}: filling to min_workers with {n} on-demand",
+                    plan.numbers,
+                )
             keep = min(grp_d, max(0, m - ready_s))
         plan = OnDemandPlan(plan.workers, f"objective='{self.objective.value}': {plan.reason}", plan.numbers)
         if self.deadline_s is None:
             return plan, keep
         on_demand_now = max(grp_d, snap.requested.get(self.on_demand.name, 0))
-        need = deadline_need(spot=ready_s, on_demand_now=on_demand_now, min_workers=m, max_workers=M,
-                             max_on_demand=cap, deadline_s=self.deadline_s,
-                             margin_s=self.deadline_margin * self.deadline_s, boot_s=self.on_demand_boot_s,
-                             progress=snap.progress)
+        need = deadline_need(
+            spot=ready_s,
+            on_demand_now=on_demand_now,
+            min_workers=m,
+            max_workers=M,
+            max_on_demand=cap,
+            deadline_s=self.deadline_s,
+            margin_s=self.deadline_margin * self.deadline_s,
+            boot_s=self.on_demand_boot_s,
+            progress=snap.progress,
+        )
         if need is None or (need.workers <= plan.workers and not need.unreachable):
             if need is None:
                 return plan, keep
-            return OnDemandPlan(plan.workers, f"{plan.reason}; deadline: {need.reason}",
-                                {**plan.numbers, **need.numbers}), max(keep, min(grp_d, need.workers))
-        return (OnDemandPlan(need.workers, f"deadline_s={self.deadline_s:g}: {need.reason}",
-                             {**plan.numbers, **need.numbers}, need.unreachable),
-                max(keep, min(grp_d, need.workers)))
+            return OnDemandPlan(
+                plan.workers, f"{plan.reason}; deadline: {need.reason}", {**plan.numbers, **need.numbers}
+            ), max(keep, min(grp_d, need.workers))
+        return (
+            OnDemandPlan(
+                need.workers,
+                f"deadline_s={self.deadline_s:g}: {need.reason}",
+                {**plan.numbers, **need.numbers},
+                need.unreachable,
+            ),
+            max(keep, min(grp_d, need.workers)),
+        )
 
-    def _request_change(self, snap: CapacitySnapshot, want: Dict[str, int], why: str,
-                        numbers: Optional[Dict[str, Any]] = None) -> CapacityDecision:
+    def _request_change(
+        self, snap: CapacitySnapshot, want: Dict[str, int], why: str, numbers: Optional[Dict[str, Any]] = None
+    ) -> CapacityDecision:
         have = {name: snap.requested.get(name, 0) for name in want}
         if want == have:
             return Noop()
         od = self.on_demand.name
         if want[od] < have[od]:
             released = have[od] - want[od]
-            return ReleaseOnDemand(workers=released, counts=want, numbers=dict(numbers or {}),
-                                   reason=f"releasing {released} on-demand slot(s): {why}")
+            return ReleaseOnDemand(
+                workers=released,
+                counts=want,
+                numbers=dict(numbers or {}),
+                reason=f"releasing {released} on-demand slot(s): {why}",
+            )
         return RequestCapacity(counts=want, reason=f"requesting {want}: {why}", numbers=dict(numbers or {}))
 
 

@@ -18,9 +18,16 @@ from raylastic.policies.objective import WorkProgress
 class CapacityTimeoutError(InsufficientCapacityError, RuntimeError):
     """Fewer than ``min_workers`` worker slots were available for ``max_wait_s``."""
 
-    def __init__(self, *, max_wait_s: float, waited_s: float, available: int,
-                 min_workers: int, ready: Optional[Mapping[str, int]] = None,
-                 max_on_demand_workers: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_wait_s: float,
+        waited_s: float,
+        available: int,
+        min_workers: int,
+        ready: Optional[Mapping[str, int]] = None,
+        max_on_demand_workers: Optional[int] = None,
+    ) -> None:
         self.max_wait_s = max_wait_s
         self.waited_s = waited_s
         self.available = available
@@ -34,27 +41,34 @@ class CapacityTimeoutError(InsufficientCapacityError, RuntimeError):
             "Likely causes: a spot drought with too few on-demand workers allowed "
             f"(max_on_demand_workers={max_on_demand_workers}), node types' max_workers in "
             "the cluster config too low, or no autoscaler running. Fix: raise max_wait_s "
-            "or max_on_demand_workers, or lower min_workers."
+            "or max_on_demand_workers, or lower min_workers.",
         )
 
     def __reduce__(self):
-        return (_rebuild_timeout, (self.max_wait_s, self.waited_s, self.available,
-                                   self.min_workers, self.ready, self.max_on_demand_workers))
+        return (
+            _rebuild_timeout,
+            (self.max_wait_s, self.waited_s, self.available, self.min_workers, self.ready, self.max_on_demand_workers),
+        )
 
 
 def _rebuild_timeout(max_wait_s, waited_s, available, min_workers, ready, max_od):
-    return CapacityTimeoutError(max_wait_s=max_wait_s, waited_s=waited_s, available=available,
-                                min_workers=min_workers, ready=ready,
-                                max_on_demand_workers=max_od)
+    return CapacityTimeoutError(
+        max_wait_s=max_wait_s,
+        waited_s=waited_s,
+        available=available,
+        min_workers=min_workers,
+        ready=ready,
+        max_on_demand_workers=max_od,
+    )
 
 
 class CapacityPhase(str, Enum):
     """Where the policy stands (informational: logged with decisions, asserted in tests)."""
 
-    SPOT = "spot"                      # spot covers max_workers, no on-demand in use
-    SPOT_SHORT = "spot_short"          # spot short, fallback_after_s not reached yet
-    FALLBACK = "fallback"              # on-demand requested or in use
-    RETURNING = "returning"            # spot is back; on-demand waits to be migrated/released
+    SPOT = "spot"  # spot covers max_workers, no on-demand in use
+    SPOT_SHORT = "spot_short"  # spot short, fallback_after_s not reached yet
+    FALLBACK = "fallback"  # on-demand requested or in use
+    RETURNING = "returning"  # spot is back; on-demand waits to be migrated/released
     ON_DEMAND_ONLY = "on_demand_only"  # prefer="on_demand"
 
 
@@ -67,7 +81,12 @@ class RequestCapacity:
     numbers: Dict[str, Any] = field(default_factory=dict)
 
     def to_event(self) -> Dict[str, Any]:
-        return {"kind": "capacity.request", "counts": dict(self.counts), "reason": self.reason, "numbers": dict(self.numbers)}
+        return {
+            "kind": "capacity.request",
+            "counts": dict(self.counts),
+            "reason": self.reason,
+            "numbers": dict(self.numbers),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,8 +99,13 @@ class ReleaseOnDemand:
     numbers: Dict[str, Any] = field(default_factory=dict)
 
     def to_event(self) -> Dict[str, Any]:
-        return {"kind": "capacity.release_on_demand", "workers": self.workers,
-                "counts": dict(self.counts), "reason": self.reason, "numbers": dict(self.numbers)}
+        return {
+            "kind": "capacity.release_on_demand",
+            "workers": self.workers,
+            "counts": dict(self.counts),
+            "reason": self.reason,
+            "numbers": dict(self.numbers),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,8 +119,13 @@ class MigrateToSpot:
     numbers: Dict[str, Any] = field(default_factory=dict)
 
     def to_event(self) -> Dict[str, Any]:
-        return {"kind": "capacity.migrate_to_spot", "workers": self.workers,
-                "target": dict(self.target), "reason": self.reason, "numbers": dict(self.numbers)}
+        return {
+            "kind": "capacity.migrate_to_spot",
+            "workers": self.workers,
+            "target": dict(self.target),
+            "reason": self.reason,
+            "numbers": dict(self.numbers),
+        }
 
 
 @dataclass(frozen=True)
@@ -111,13 +140,22 @@ class GiveUp(Raise):
     max_on_demand_workers: Optional[int]
 
     def error(self) -> CapacityTimeoutError:
-        return CapacityTimeoutError(max_wait_s=self.max_wait_s, waited_s=self.waited_s,
-                                    available=self.available, min_workers=self.min_workers,
-                                    ready=self.ready, max_on_demand_workers=self.max_on_demand_workers)
+        return CapacityTimeoutError(
+            max_wait_s=self.max_wait_s,
+            waited_s=self.waited_s,
+            available=self.available,
+            min_workers=self.min_workers,
+            ready=self.ready,
+            max_on_demand_workers=self.max_on_demand_workers,
+        )
 
     def to_event(self) -> Dict[str, Any]:
-        return {"kind": "capacity.give_up", "waited_s": self.waited_s, "available": self.available,
-                "reason": self.reason}
+        return {
+            "kind": "capacity.give_up",
+            "waited_s": self.waited_s,
+            "available": self.available,
+            "reason": self.reason,
+        }
 
 
 class DeadlineUnreachableError(InsufficientCapacityError):
@@ -133,10 +171,12 @@ class DeadlineUnreachableError(InsufficientCapacityError):
 
 
 def _deadline_message(deadline_s: float, n: Mapping[str, Any]) -> str:
-    return (f"the run cannot finish by deadline_s={deadline_s:g}: {n.get('remaining_steps')} steps "
-            f"left at {n.get('elapsed_s')} s; even max_workers from now would finish at "
-            f"{n.get('best_finish_s')} s. Numbers: {dict(n)}. Fix: raise deadline_s, raise "
-            "max_workers or max_on_demand_workers, or drop deadline_s to finish late.")
+    return (
+        f"the run cannot finish by deadline_s={deadline_s:g}: {n.get('remaining_steps')} steps "
+        f"left at {n.get('elapsed_s')} s; even max_workers from now would finish at "
+        f"{n.get('best_finish_s')} s. Numbers: {dict(n)}. Fix: raise deadline_s, raise "
+        "max_workers or max_on_demand_workers, or drop deadline_s to finish late."
+    )
 
 
 @dataclass(frozen=True)
@@ -150,12 +190,10 @@ class DeadlineUnreachable(Raise):
         return DeadlineUnreachableError(self.deadline_s, self.numbers)
 
     def to_event(self) -> Dict[str, Any]:
-        return {"kind": "capacity.deadline_unreachable", "reason": self.reason,
-                "numbers": dict(self.numbers)}
+        return {"kind": "capacity.deadline_unreachable", "reason": self.reason, "numbers": dict(self.numbers)}
 
 
-CapacityDecision = Union[Noop, RequestCapacity, ReleaseOnDemand, MigrateToSpot, GiveUp,
-                         DeadlineUnreachable]
+CapacityDecision = Union[Noop, RequestCapacity, ReleaseOnDemand, MigrateToSpot, GiveUp, DeadlineUnreachable]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,8 +56,7 @@ class FailurePolicy:
             if budget is not None and counts.node_losses >= budget:
                 return Raise(failure_reason("node-loss", "max_node_failures", budget))
             return Retry(
-                f"node loss {counts.node_losses + 1} of "
-                f"{'unlimited' if budget is None else budget} (max_node_failures)"
+                f"node loss {counts.node_losses + 1} of {'unlimited' if budget is None else budget} (max_node_failures)"
             )
         if self.max_failures != -1 and counts.errors >= self.max_failures:
             return Raise(failure_reason("failure", "max_failures", self.max_failures))
@@ -65,5 +64,6 @@ class FailurePolicy:
         return Retry(
             f"failure {counts.errors + 1} of "
             f"{'unlimited' if self.max_failures == -1 else self.max_failures} (max_failures)"
-            + (f"; retrying in {delay:.0f} s" if delay else ""), delay_s=delay,
+            + (f"; retrying in {delay:.0f} s" if delay else ""),
+            delay_s=delay,
         )

@@ -61,9 +61,7 @@ class Market(str, Enum):
         try:
             return cls(value)
         except ValueError:
-            raise ValueError(
-                f"{what}={value!r} is not a market; use 'spot' or 'on_demand'"
-            ) from None
+            raise ValueError(f"{what}={value!r} is not a market; use 'spot' or 'on_demand'") from None
 
 
 class UnknownNodeTypeError(ValueError):
@@ -108,10 +106,7 @@ class NodeType:
                     f"the '{self.resource_key}' slot is added by bundle()"
                 )
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(
-                    f"NodeType {self.name!r}: worker_resources[{key!r}]={value!r} must be a "
-                    "number >= 0"
-                )
+                raise ValueError(f"NodeType {self.name!r}: worker_resources[{key!r}]={value!r} must be a number >= 0")
         object.__setattr__(self, "worker_resources", res)
 
     def __hash__(self) -> int:  # the dict field is never mutated after construction
@@ -183,7 +178,7 @@ def node_types_from_cluster_config(
         where = f"{source}: node type {entry!r}"
         if len(keys) > 1:
             raise ValueError(f"{where}: more than one node_type:* resource ({keys}); keep one")
-        name = validate_node_type_name(keys[0][len(RESOURCE_PREFIX):], f"{where} resource name")
+        name = validate_node_type_name(keys[0][len(RESOURCE_PREFIX) :], f"{where} resource name")
         labels = spec.get("labels") or {}
         if MARKET_LABEL not in labels:
             raise ValueError(
@@ -264,8 +259,10 @@ class PriceTable:
         prices = {}
         for name, price in dict(self.usd_per_hour).items():
             validate_node_type_name(name, f"PriceTable ({self.source}) node type")
-            if isinstance(price, bool) or not isinstance(price, (int, float)) or not (
-                math.isfinite(price) and price >= 0
+            if (
+                isinstance(price, bool)
+                or not isinstance(price, (int, float))
+                or not (math.isfinite(price) and price >= 0)
             ):
                 raise ValueError(
                     f"PriceTable ({self.source}): price for {name!r} is {price!r}; use a "

@@ -63,8 +63,10 @@ class Objective(str, Enum):
         try:
             return cls(value)
         except ValueError:
-            raise ValueError(f"{what}={value!r}: use 'cost' (cheapest per sample) or 'time' "
-                             "(soonest); set deadline_s for 'cheapest that finishes by then'") from None
+            raise ValueError(
+                f"{what}={value!r}: use 'cost' (cheapest per sample) or 'time' "
+                "(soonest); set deadline_s for 'cheapest that finishes by then'"
+            ) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,44 +128,79 @@ class OnDemandPlan:
     unreachable: bool = False  # the deadline cannot be met by any plan
 
 
-def cost_fill(*, spot: int, min_workers: int, max_workers: int, p_spot: Optional[float],
-              p_od: Optional[float], fixed_usd_h: float, progress: Optional[WorkProgress],
-              max_fill: int) -> OnDemandPlan:
+def cost_fill(
+    *,
+    spot: int,
+    min_workers: int,
+    max_workers: int,
+    p_spot: Optional[float],
+    p_od: Optional[float],
+    fixed_usd_h: float,
+    progress: Optional[WorkProgress],
+    max_fill: int,
+) -> OnDemandPlan:
     """On-demand workers that lower cost per sample while spot is below ``min_workers``
     (see the module docstring). ``max_fill``: the on-demand cap left."""
     fill = min(max(0, min_workers - spot), max_fill)
     if spot >= min_workers or fill == 0:
-        return OnDemandPlan(0, f"spot covers min_workers ({spot} >= {min_workers})" if spot >= min_workers
-                            else f"no on-demand worker allowed (cap {max_fill})")
+        return OnDemandPlan(
+            0,
+            f"spot covers min_workers ({spot} >= {min_workers})"
+            if spot >= min_workers
+            else f"no on-demand worker allowed (cap {max_fill})",
+        )
     if spot + fill < min_workers:
-        return OnDemandPlan(0, f"{fill} on-demand worker(s) allowed cannot bring {spot} spot up to "
-                               f"min_workers={min_workers}: waiting for spot")
+        return OnDemandPlan(
+            0,
+            f"{fill} on-demand worker(s) allowed cannot bring {spot} spot up to "
+            f"min_workers={min_workers}: waiting for spot",
+        )
     if p_spot is None or p_od is None:
-        return OnDemandPlan(0, "no price table: assuming spot is the cheaper way to train; waiting "
-                               "for spot")
+        return OnDemandPlan(0, "no price table: assuming spot is the cheaper way to train; waiting for spot")
     rate = progress.rate if progress is not None else (lambda n: None)
     r_min, r_max = rate(min_workers), rate(max_workers)
     ratio = (r_min / r_max) if r_min and r_max else min_workers / max_workers
     fill_h = spot * p_spot + fill * p_od + fixed_usd_h
     wait_h = spot * p_spot + fixed_usd_h + ratio * (max_workers * p_spot + fixed_usd_h)
-    numbers: Dict[str, Any] = {"fill_usd_per_h": round(fill_h, 6), "wait_usd_per_h": round(wait_h, 6),
-                               "spot_workers": spot, "fill_workers": fill}
+    numbers: Dict[str, Any] = {
+        "fill_usd_per_h": round(fill_h, 6),
+        "wait_usd_per_h": round(wait_h, 6),
+        "spot_workers": spot,
+        "fill_workers": fill,
+    }
     if r_min:
         per_step = 3600.0 * r_min
         numbers["fill_usd_per_step"] = round(fill_h / per_step, 9)
         numbers["wait_usd_per_step"] = round(wait_h / per_step, 9)
     if fill_h < wait_h:
-        return OnDemandPlan(fill, f"{fill} on-demand worker(s) let {spot} idle spot worker(s) train: "
-                                  f"${fill_h:.4f}/h now < ${wait_h:.4f}/h waiting for spot (cheaper per "
-                                  "sample)", numbers)
-    return OnDemandPlan(0, f"waiting for spot: filling to min_workers with {fill} on-demand worker(s) "
-                           f"costs ${fill_h:.4f}/h >= ${wait_h:.4f}/h of idle spot plus the same "
-                           "samples on spot later", numbers)
+        return OnDemandPlan(
+            fill,
+            f"{fill} on-demand worker(s) let {spot} idle spot worker(s) train: "
+            f"${fill_h:.4f}/h now < ${wait_h:.4f}/h waiting for spot (cheaper per "
+            "sample)",
+            numbers,
+        )
+    return OnDemandPlan(
+        0,
+        f"waiting for spot: filling to min_workers with {fill} on-demand worker(s) "
+        f"costs ${fill_h:.4f}/h >= ${wait_h:.4f}/h of idle spot plus the same "
+        "samples on spot later",
+        numbers,
+    )
 
 
-def deadline_need(*, spot: int, on_demand_now: int, min_workers: int, max_workers: int,
-                  max_on_demand: int, deadline_s: float, margin_s: float, boot_s: float,
-                  progress: Optional[WorkProgress]) -> Optional[OnDemandPlan]:
+def deadline_need(
+    *,
+    spot: int,
+    on_demand_now: int,
+    min_workers: int,
+    max_workers: int,
+    max_on_demand: int,
+    deadline_s: float,
+    margin_s: float,
+    boot_s: float,
+    progress: Optional[WorkProgress],
+) -> Optional[OnDemandPlan]:
     """On-demand workers the deadline needs now (module docstring), or None when it cannot
     be judged yet (no total_steps or no measured rate)."""
     if progress is None or progress.remaining_steps is None:
@@ -186,39 +223,59 @@ def deadline_need(*, spot: int, on_demand_now: int, min_workers: int, max_worker
     r_all = progress.rate(max_workers) or 0.0
     best_s = left_steps / r_all if r_all else math.inf
     numbers: Dict[str, Any] = {
-        "deadline_s": deadline_s, "elapsed_s": round(progress.elapsed_s, 2),
-        "remaining_steps": left_steps, "margin_s": margin_s, "boot_s": boot_s,
+        "deadline_s": deadline_s,
+        "elapsed_s": round(progress.elapsed_s, 2),
+        "remaining_steps": left_steps,
+        "margin_s": margin_s,
+        "boot_s": boot_s,
         "efficiency": round(progress.efficiency, 3),
         "projected_finish_s": _round(progress.elapsed_s + finish_s(on_demand_now)),
         "projected_finish_full_s": _round(progress.elapsed_s + full),
-        "slack_s": _round(left_s - margin_s - full), "best_finish_s": _round(progress.elapsed_s + best_s),
+        "slack_s": _round(left_s - margin_s - full),
+        "best_finish_s": _round(progress.elapsed_s + best_s),
         "spot_workers": spot,
-        "on_demand_workers": on_demand_now}
+        "on_demand_workers": on_demand_now,
+    }
     if best_s > left_s + margin_s:
-        return OnDemandPlan(d_max, f"deadline unreachable: {left_steps} steps at {max_workers} workers "
-                                   f"take {best_s:.1f} s, {left_s:.1f} s left", numbers, unreachable=True)
+        return OnDemandPlan(
+            d_max,
+            f"deadline unreachable: {left_steps} steps at {max_workers} workers "
+            f"take {best_s:.1f} s, {left_s:.1f} s left",
+            numbers,
+            unreachable=True,
+        )
     if best_s > left_s:  # late by less than the margin: finish as soon as possible, don't end the run
-        return OnDemandPlan(d_max, f"deadline at risk: even {max_workers} workers finish "
-                                   f"{best_s - left_s:.1f} s late (within the margin); every on-demand "
-                                   "worker allowed", numbers)
+        return OnDemandPlan(
+            d_max,
+            f"deadline at risk: even {max_workers} workers finish "
+            f"{best_s - left_s:.1f} s late (within the margin); every on-demand "
+            "worker allowed",
+            numbers,
+        )
     # Keeping today's on-demand workers needs no boot; adding one does, and so does
     # dropping one (hysteresis: if that proves wrong, a new node must boot in time).
-    fits = [d for d in range(d_max + 1)
-            if finish_s(d) <= (left_s - margin_s if d == on_demand_now else budget)]
+    fits = [d for d in range(d_max + 1) if finish_s(d) <= (left_s - margin_s if d == on_demand_now else budget)]
     need = fits[0] if fits else d_max
     if spot < min_workers and (left_s - margin_s - full) > boot_s and need > on_demand_now:
-        return OnDemandPlan(min(need, on_demand_now),
-                            f"on spot: {left_s - margin_s - full:.1f} s of slack with every on-demand "
-                            f"worker allowed > {boot_s:g} s to boot one; waiting for spot", numbers)
+        return OnDemandPlan(
+            min(need, on_demand_now),
+            f"on spot: {left_s - margin_s - full:.1f} s of slack with every on-demand "
+            f"worker allowed > {boot_s:g} s to boot one; waiting for spot",
+            numbers,
+        )
     if need < on_demand_now:
-        why = f"releasing {on_demand_now - need} on-demand worker(s): {spot} spot + {need} on-demand " \
-              f"finish at {progress.elapsed_s + finish_s(need):.1f} s, by the deadline less margin and boot"
+        why = (
+            f"releasing {on_demand_now - need} on-demand worker(s): {spot} spot + {need} on-demand "
+            f"finish at {progress.elapsed_s + finish_s(need):.1f} s, by the deadline less margin and boot"
+        )
     elif need > on_demand_now:
         now_at = numbers["projected_finish_s"]
-        why = f"behind the deadline: {spot} spot + {on_demand_now} on-demand " + (
-              f"finish at {now_at} s" if now_at is not None else "cannot train") + \
-              f" (deadline less margin: {deadline_s - margin_s:.1f} s); {need} on-demand worker(s) " \
-              "get back on track"
+        why = (
+            f"behind the deadline: {spot} spot + {on_demand_now} on-demand "
+            + (f"finish at {now_at} s" if now_at is not None else "cannot train")
+            + f" (deadline less margin: {deadline_s - margin_s:.1f} s); {need} on-demand worker(s) "
+            "get back on track"
+        )
     else:
         why = f"on track with {spot} spot + {need} on-demand worker(s)"
     return OnDemandPlan(need, why, numbers)

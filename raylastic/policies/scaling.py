@@ -72,16 +72,18 @@ class ElasticScalingPolicy:
                 )
             due = s.last_wait_log_at is None or s.now - s.last_wait_log_at >= self.log_every_s
             return Wait(
-                f"waiting for capacity: {available} of min_workers={self.min_workers} ready "
-                f"for {waited:.0f} s",
+                f"waiting for capacity: {available} of min_workers={self.min_workers} ready for {waited:.0f} s",
                 log=due,
             )
         target = min(self.max_workers, available)
         recently = s.last_ready_at is not None and s.now - s.last_ready_at < self.settle_s
         if target < self.max_workers and recently:
             return Noop("min_workers ready; letting workers that are starting join")
-        if target < self.max_workers and s.starting > 0 and (
-                s.last_ready_at is None or s.now - s.last_ready_at < self.starting_wait_s):
+        if (
+            target < self.max_workers
+            and s.starting > 0
+            and (s.last_ready_at is None or s.now - s.last_ready_at < self.starting_wait_s)
+        ):
             return Noop(f"min_workers ready; {s.starting} worker(s) placed and starting: letting them join")
         return Resize(
             target,

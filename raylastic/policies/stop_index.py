@@ -14,8 +14,14 @@ STOP_AHEAD_S = 0.3
 MAX_WAIT_FOR_BOUNDARY_S = 20.0
 
 
-def choose_stop_index(current: int, *, step_time_s: float, snapshots: bool = False,
-                      budget_s: float = float("inf"), committed: Sequence[int] = ()) -> int:
+def choose_stop_index(
+    current: int,
+    *,
+    step_time_s: float,
+    snapshots: bool = False,
+    budget_s: float = float("inf"),
+    committed: Sequence[int] = (),
+) -> int:
     """A report index every rank can still reach, from ``current`` (the furthest any
     rank has reported). With in-memory snapshots every index is a restore point: as
     soon as possible, ``STOP_AHEAD_S`` of steps ahead and at least the report the

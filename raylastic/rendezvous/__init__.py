@@ -37,9 +37,12 @@ def register() -> None:
         # point, or this module imported twice) is fine; a foreign one would otherwise
         # silently serve --rdzv-backend=azure-table whatever the import order, so refuse.
         current = rendezvous_handler_registry._registry.get(BACKEND_NAME)
-        if getattr(current, "__module__", None) != create_handler.__module__ or \
-                getattr(current, "__qualname__", None) != create_handler.__qualname__:
+        if (
+            getattr(current, "__module__", None) != create_handler.__module__
+            or getattr(current, "__qualname__", None) != create_handler.__qualname__
+        ):
             raise ValueError(
                 f"rendezvous backend {BACKEND_NAME!r} is already registered with {current!r}, not "
                 "raylastic's: two packages claim the name. Fix: uninstall or unregister the other "
-                "one, or launch with a backend name only one of them registers") from None
+                "one, or launch with a backend name only one of them registers"
+            ) from None

@@ -57,8 +57,7 @@ class StateAuth:
         key = env.get(ENV_HMAC_KEY, "")
         if key:
             if len(key.strip()) < MIN_KEY_CHARS:
-                raise ValueError(f"{ENV_HMAC_KEY} is {len(key.strip())} characters, too short to be a key: "
-                                 f"{KEY_HELP}")
+                raise ValueError(f"{ENV_HMAC_KEY} is {len(key.strip())} characters, too short to be a key: {KEY_HELP}")
             return cls(key.strip().encode("utf-8"), ENV_HMAC_KEY)
         if env.get(ENV_INSECURE, "").strip() == "1":
             return cls.insecure()
@@ -68,7 +67,9 @@ class StateAuth:
     def insecure(cls) -> "StateAuth":
         logger.warning(
             "azure-table rendezvous: %s=1: the rendezvous state is NOT authenticated; anyone who "
-            "can write the table can run code on every agent (torch unpickles the state)", ENV_INSECURE)
+            "can write the table can run code on every agent (torch unpickles the state)",
+            ENV_INSECURE,
+        )
         return cls(None, f"{ENV_INSECURE}=1")
 
     @property
@@ -89,11 +90,15 @@ class StateAuth:
             return
         stored = entity.get(MAC_PROPERTY)
         if not isinstance(stored, str) or not stored:
-            problem = (f"it has no {MAC_PROPERTY} property (written by an agent without a key, by a "
-                       f"raylastic release before state authentication, or by someone else)")
+            problem = (
+                f"it has no {MAC_PROPERTY} property (written by an agent without a key, by a "
+                f"raylastic release before state authentication, or by someone else)"
+            )
         elif not hmac.compare_digest(stored.encode("utf-8", "replace"), self.mac(partition, fmt, state).encode()):
-            problem = (f"its MAC does not match (written by someone without {ENV_HMAC_KEY}, copied from "
-                       f"another run, or the nodes were given different keys)")
+            problem = (
+                f"its MAC does not match (written by someone without {ENV_HMAC_KEY}, copied from "
+                f"another run, or the nodes were given different keys)"
+            )
         else:
             return
         raise RendezvousStateError(

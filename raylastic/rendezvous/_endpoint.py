@@ -99,7 +99,8 @@ def parse_endpoint(endpoint: str, table: Optional[str] = None) -> TableEndpoint:
         raise ValueError(
             f"--rdzv-endpoint={raw!r} uses plain http to {host}, a public host: the request "
             "signatures and the rendezvous rows would cross the network in clear. Use https "
-            "(http is accepted only for emulators on loopback or private addresses)")
+            "(http is accepted only for emulators on loopback or private addresses)"
+        )
     segments = [s for s in parts.path.split("/") if s]
     labels = host.split(".")
     if _is_local_host(host):
@@ -201,8 +202,7 @@ def resolve_credential(endpoint: TableEndpoint, environ: Optional[Mapping[str, s
         return AzureSasCredential(sas.lstrip("?")), ENV_SAS_TOKEN
     if not endpoint.is_https:
         raise ValueError(
-            f"no storage credentials for {endpoint.account_url} (Entra ID tokens need https): "
-            f"{CREDENTIAL_HELP}"
+            f"no storage credentials for {endpoint.account_url} (Entra ID tokens need https): {CREDENTIAL_HELP}"
         )
     try:
         from azure.identity import DefaultAzureCredential

@@ -153,9 +153,7 @@ class TableOps:
                 if expected(exc):
                     raise
                 if not retryable(exc):
-                    raise RendezvousConnectionError(
-                        f"Azure Table {what} failed: {describe(exc, self.where)}"
-                    ) from None
+                    raise RendezvousConnectionError(f"Azure Table {what} failed: {describe(exc, self.where)}") from None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RendezvousConnectionError(
@@ -166,7 +164,10 @@ class TableOps:
                 sleep = min(backoff * random.uniform(0.5, 1.5), remaining)
                 logger.warning(
                     "Azure Table %s: transient %s (attempt %d), retrying in %.2fs",
-                    what, type(exc).__name__, attempt, sleep,
+                    what,
+                    type(exc).__name__,
+                    attempt,
+                    sleep,
                 )
                 time.sleep(sleep)
                 backoff = min(backoff * 2, self.retry.max_backoff_s)
@@ -270,4 +271,3 @@ def partition_key(run_id: str) -> str:
     if re.match(r"^[A-Za-z0-9._:@=+-]{1,200}$", run_id):
         return f"run-{run_id}"
     return "runh-" + hashlib.sha256(run_id.encode()).hexdigest()[:40]
-

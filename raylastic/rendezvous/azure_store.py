@@ -90,7 +90,9 @@ class AzureTableStore(dist.Store):
             self._ops.call(
                 "store update",
                 lambda: self._ops.client.update_entity(
-                    self._entity(key, value, writer), mode=UpdateMode.REPLACE, etag=etag,
+                    self._entity(key, value, writer),
+                    mode=UpdateMode.REPLACE,
+                    etag=etag,
                     match_condition=MatchConditions.IfNotModified,
                 ),
             )

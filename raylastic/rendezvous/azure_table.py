@@ -132,9 +132,13 @@ class AzureTableRendezvousBackend(RendezvousBackend):
         from azure.data.tables import UpdateMode
 
         return self._write(
-            state, "update_entity",
+            state,
+            "update_entity",
             lambda: client.update_entity(
-                entity, mode=UpdateMode.REPLACE, etag=token, match_condition=MatchConditions.IfNotModified,
+                entity,
+                mode=UpdateMode.REPLACE,
+                etag=token,
+                match_condition=MatchConditions.IfNotModified,
             ),
             token=token,
         )
@@ -220,8 +224,11 @@ def create_backend(params: RendezvousParameters) -> tuple[AzureTableRendezvousBa
     logger.info("azure-table rendezvous: run %r in %s (credentials: %s)", params.run_id, ops.where, source)
     ops.ensure_table()
     auth = StateAuth.from_env()  # after the endpoint and credentials: their errors come first
-    how = f"authenticated with HMAC-SHA256 (key from {auth.source})" if auth.enabled else (
-        f"NOT authenticated ({auth.source})")
+    how = (
+        f"authenticated with HMAC-SHA256 (key from {auth.source})"
+        if auth.enabled
+        else (f"NOT authenticated ({auth.source})")
+    )
     logger.info("azure-table rendezvous: state %s", how)
     backend = AzureTableRendezvousBackend(ops, params.run_id, auth)
     store = AzureTableStore(ops, params.run_id, timeout=timedelta(seconds=settings.store_timeout_s))

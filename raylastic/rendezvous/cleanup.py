@@ -110,8 +110,11 @@ def cleanup(
         foreign = [rk for rk in row_keys if not is_rendezvous_row(pk, rk)]
         if foreign:
             if wanted is not None or _OUR_PARTITION.fullmatch(pk):
-                print(f"skipping partition {pk!r}: {len(foreign)} of its rows were not written by the "
-                      f"azure-table rendezvous (e.g. {foreign[0]!r})", file=out)
+                print(
+                    f"skipping partition {pk!r}: {len(foreign)} of its rows were not written by the "
+                    f"azure-table rendezvous (e.g. {foreign[0]!r})",
+                    file=out,
+                )
             continue
         if cutoff is not None and (newest is None or newest >= cutoff):
             continue  # fresh, or of unknown age: never guess towards deleting
@@ -124,7 +127,9 @@ def cleanup(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m raylastic.rendezvous.cleanup", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m raylastic.rendezvous.cleanup", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--endpoint", required=True, help="the torchrun --rdzv-endpoint (account or table URL)")
     parser.add_argument("--table", default=None, help="table name if not in the endpoint (default torchrendezvous)")
     which = parser.add_mutually_exclusive_group(required=True)

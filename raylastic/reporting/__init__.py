@@ -17,5 +17,14 @@ from raylastic.reporting.model import build_report
 from raylastic.reporting.prices import Prices, parse_prices, read_prices_arg
 from raylastic.reporting.records import JSON_KEYS, RunReport
 
-__all__ = ["JSON_KEYS", "NotARunError", "Prices", "RunData", "RunReport", "build_report",
-           "load_run", "parse_prices", "read_prices_arg"]
+__all__ = [
+    "JSON_KEYS",
+    "NotARunError",
+    "Prices",
+    "RunData",
+    "RunReport",
+    "build_report",
+    "load_run",
+    "parse_prices",
+    "read_prices_arg",
+]

@@ -47,7 +47,8 @@ def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> 
     that release to the node_gone; after a loss it adds nothing. A ``node_gone`` for a node
     the log still shows held ends its interval there."""
     approximated = not any(kind_of(e) is EventKind.WORKER_READY for e in events) and any(
-        kind_of(e) is EventKind.GROUP_FORMED and e.get("nodes") for e in events)
+        kind_of(e) is EventKind.GROUP_FORMED and e.get("nodes") for e in events
+    )
     intervals: List[Tuple[str, float, float]] = []  # (node type, start ts, end ts)
     slots: DefaultDict[str, int] = defaultdict(int)
     markets: Dict[str, Optional[str]] = {}
@@ -115,8 +116,7 @@ def node_intervals(events: Sequence[Event], sess: List[Tuple[float, float]]) -> 
         hours[ntype] += (end - start) / 3600.0
     for ntype, nodes in nodes_of.items():
         count[ntype] = len(nodes)
-    return NodeIntervals(intervals, dict(hours), count, dict(slots), markets, approximated,
-                         released)
+    return NodeIntervals(intervals, dict(hours), count, dict(slots), markets, approximated, released)
 
 
 def _released(e: Event) -> bool:
@@ -124,7 +124,8 @@ def _released(e: Event) -> bool:
     moved off by a capacity policy (``worker_lost`` cause ``released``). Not a loss: a
     lost, crashed, hung or preempted worker's node is not "released" by the run."""
     return kind_of(e) is EventKind.WORKER_RELEASED or (
-        kind_of(e) is EventKind.WORKER_LOST and e.get("cause") == LossCause.RELEASED.value)
+        kind_of(e) is EventKind.WORKER_LOST and e.get("cause") == LossCause.RELEASED.value
+    )
 
 
 def _ready(e: Event, approximated: bool):
@@ -136,16 +137,26 @@ def _ready(e: Event, approximated: bool):
             yield node, f"{node}/{rank}", None, None
 
 
-def cost_series(nodes: NodeIntervals, price_of: Dict[str, float], steps: StepTimes,
-                od_worker_usd_h: Optional[float], t0: float, sess, points: int = 300):
+def cost_series(
+    nodes: NodeIntervals,
+    price_of: Dict[str, float],
+    steps: StepTimes,
+    od_worker_usd_h: Optional[float],
+    t0: float,
+    sess,
+    points: int = 300,
+):
     """(t_s, node-hours, cost USD or None, baseline USD or None) on a grid over the run
     and the released nodes' billed time after it."""
     billed = nodes.billed
     end = max([sess[-1][1]] + [e for _, _, e in billed])
     if end <= t0:
         return ()
-    grid = sorted({t0 + (end - t0) * k / (points - 1) for k in range(points)}
-                  | {s for _, s, _ in billed} | {e for _, _, e in billed})
+    grid = sorted(
+        {t0 + (end - t0) * k / (points - 1) for k in range(points)}
+        | {s for _, s, _ in billed}
+        | {e for _, _, e in billed}
+    )
     order = sorted(range(len(steps.ts)), key=lambda k: steps.ts[k])
     ts_sorted = [steps.ts[k] for k in order]
     cum_w, acc = [], 0.0
@@ -161,6 +172,12 @@ def cost_series(nodes: NodeIntervals, price_of: Dict[str, float], steps: StepTim
             usd += h * price_of.get(ntype, 0.0)
         j = bisect.bisect_right(ts_sorted, t)
         worker_s = cum_w[j - 1] if j else 0.0
-        out.append((t - t0, nh, usd if price_of else None,
-                    worker_s / 3600.0 * od_worker_usd_h if od_worker_usd_h is not None else None))
+        out.append(
+            (
+                t - t0,
+                nh,
+                usd if price_of else None,
+                worker_s / 3600.0 * od_worker_usd_h if od_worker_usd_h is not None else None,
+            )
+        )
     return tuple(out)

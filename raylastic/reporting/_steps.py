@@ -52,8 +52,9 @@ def step_times(metrics: Sequence[Event], groups: List[Group]) -> StepTimes:
             est = min(est, max(0.0, float(metrics[k]["ts"]) - groups[g].start_ts))
         durations[k] = est
     kept = [g is None or m["index"] <= suffix_min[g + 1] for m, g in zip(metrics, owner)]
-    ws = [int(m.get("world_size") or (groups[g].world_size if g is not None else 1) or 1)
-          for m, g in zip(metrics, owner)]
+    ws = [
+        int(m.get("world_size") or (groups[g].world_size if g is not None else 1) or 1) for m, g in zip(metrics, owner)
+    ]
     prod = sum(d for d, k in zip(durations, kept) if k)
     prod_w = sum(d * w for d, k, w in zip(durations, kept, ws) if k)
     return StepTimes(durations, kept, ws, prod, prod_w, [float(m["ts"]) for m in metrics])

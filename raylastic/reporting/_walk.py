@@ -44,8 +44,7 @@ def sessions(events: Sequence[Event], metrics: Sequence[Event]) -> List[Tuple[fl
     out = []
     for a, b in zip(bounds, bounds[1:]):
         start = float(events[a]["ts"])
-        end = next((float(e["ts"]) for e in reversed(events[a:b])
-                    if kind_of(e) is not EventKind.NODE_GONE), start)
+        end = next((float(e["ts"]) for e in reversed(events[a:b]) if kind_of(e) is not EventKind.NODE_GONE), start)
         nxt = float(events[b]["ts"]) if b < len(events) else float("inf")
         end = max([end] + [float(m["ts"]) for m in metrics if start <= float(m["ts"]) < nxt])
         out.append((start, end))
@@ -55,6 +54,7 @@ def sessions(events: Sequence[Event], metrics: Sequence[Event]) -> List[Tuple[fl
 @dataclass
 class Group:
     """A membership epoch as the walk sees it (times are absolute timestamps)."""
+
     epoch: int
     world_size: int
     start_ts: float
@@ -80,6 +80,7 @@ class _OpenRecovery:
 @dataclass
 class _OpenResize:
     """A resize whose next group (``to``) or first step (``pause_s``) may not be seen yet."""
+
     event: Event
     from_world_size: Optional[int]
     stop_ts: float  # when rank 0 reported the step the old group stopped at
@@ -95,8 +96,7 @@ class Walk:
     resizes: List[Resize]
 
 
-def walk(events: Sequence[Event], metrics: Sequence[Event], sess: List[Tuple[float, float]],
-         t0: float) -> Walk:
+def walk(events: Sequence[Event], metrics: Sequence[Event], sess: List[Tuple[float, float]], t0: float) -> Walk:
     """Membership epochs, recoveries (losses only) and resizes, in one pass over the events."""
     return _Walker(metrics, sess, t0).run(events)
 
@@ -144,8 +144,10 @@ class _Walker:
         self.end_group(self.sess[-1][1], "end of log")
         self.close_recovery(None)
         t0 = self.t0
-        segments = [Segment(g.epoch, g.world_size, g.start_ts - t0, (g.end_ts or g.start_ts) - t0,
-                            g.restore_index, g.ended_by) for g in self.groups]
+        segments = [
+            Segment(g.epoch, g.world_size, g.start_ts - t0, (g.end_ts or g.start_ts) - t0, g.restore_index, g.ended_by)
+            for g in self.groups
+        ]
         return Walk(self.groups, segments, self.recoveries, [_resize(rz, t0) for rz in self.resizes])
 
     # -- one method per event kind ---------------------------------------------------
@@ -180,8 +182,9 @@ class _Walker:
         goes on); one after a failure always is (its lost steps are the recovery's)."""
         ended = self.current or self.stopped
         self.stopped = None
-        self.resizes.append(_OpenResize(e, ended.world_size if ended else None,
-                                        self.last_report_ts(e.get("reached_index"), ts)))
+        self.resizes.append(
+            _OpenResize(e, ended.world_size if ended else None, self.last_report_ts(e.get("reached_index"), ts))
+        )
         graceful = bool(e.get("graceful"))
         cause = "resize"
         if not graceful or self.recovery is not None:
@@ -195,8 +198,9 @@ class _Walker:
 
     def on_group_formed(self, e: Event, ts: float) -> None:
         self.end_group(ts, "regrouped")
-        self.current = Group(int(e.get("epoch") or 0), int(e.get("world_size") or 0), ts,
-                             int(e.get("restore_index") or 0))
+        self.current = Group(
+            int(e.get("epoch") or 0), int(e.get("world_size") or 0), ts, int(e.get("restore_index") or 0)
+        )
         self.groups.append(self.current)
         if self.recovery is not None:
             self.recovery.world_size_after = self.current.world_size
@@ -227,8 +231,8 @@ class _Walker:
         """The recovery in progress, opened at ``e`` if none is: later losses join it."""
         if self.recovery is None:
             self.recovery = _OpenRecovery(
-                at_ts=float(e["ts"]), cause=cause,
-                world_size_before=self.current.world_size if self.current else None)
+                at_ts=float(e["ts"]), cause=cause, world_size_before=self.current.world_size if self.current else None
+            )
         return self.recovery
 
     def close_recovery(self, recovered_ts: Optional[float]) -> None:
@@ -236,22 +240,36 @@ class _Walker:
         rec, self.recovery = self.recovery, None
         if rec is None:
             return
-        self.recoveries.append(Recovery(
-            at_s=rec.at_ts - self.t0, cause=rec.cause, nodes=tuple(rec.nodes),
-            detection_s=max(0.0, rec.failure_ts - rec.at_ts) if rec.failure_ts is not None else 0.0,
-            recovery_s=(recovered_ts - rec.at_ts) if recovered_ts is not None else None,
-            steps_lost=rec.steps_lost, reached_index=rec.reached_index,
-            restore_index=rec.restore_index, world_size_before=rec.world_size_before,
-            world_size_after=rec.world_size_after, reason=rec.reason))
+        self.recoveries.append(
+            Recovery(
+                at_s=rec.at_ts - self.t0,
+                cause=rec.cause,
+                nodes=tuple(rec.nodes),
+                detection_s=max(0.0, rec.failure_ts - rec.at_ts) if rec.failure_ts is not None else 0.0,
+                recovery_s=(recovered_ts - rec.at_ts) if recovered_ts is not None else None,
+                steps_lost=rec.steps_lost,
+                reached_index=rec.reached_index,
+                restore_index=rec.restore_index,
+                world_size_before=rec.world_size_before,
+                world_size_after=rec.world_size_after,
+                reason=rec.reason,
+            )
+        )
 
 
 def _resize(rz: _OpenResize, t0: float) -> Resize:
     e = rz.event
-    return Resize(at_s=float(e["ts"]) - t0, graceful=bool(e.get("graceful")),
-                  from_world_size=rz.from_world_size, to_world_size=rz.to_world_size,
-                  lost_steps=int(e.get("lost_steps") or 0), resize_s=e.get("resize_s"),
-                  pause_s=rz.pause_s, reached_index=e.get("reached_index"),
-                  reason=str(e.get("reason") or e.get("message") or ""))
+    return Resize(
+        at_s=float(e["ts"]) - t0,
+        graceful=bool(e.get("graceful")),
+        from_world_size=rz.from_world_size,
+        to_world_size=rz.to_world_size,
+        lost_steps=int(e.get("lost_steps") or 0),
+        resize_s=e.get("resize_s"),
+        pause_s=rz.pause_s,
+        reached_index=e.get("reached_index"),
+        reason=str(e.get("reason") or e.get("message") or ""),
+    )
 
 
 def _last_report_lookup(metrics: Sequence[Event]) -> Callable[[Optional[int], float], float]:
@@ -263,4 +281,5 @@ def _last_report_lookup(metrics: Sequence[Event]) -> Callable[[Optional[int], fl
     def find(index: Optional[int], ts: float) -> float:
         cands = [t for t in by_index.get(index, []) if t <= ts + SKEW_S] if index is not None else []
         return max(cands) if cands else ts
+
     return find

@@ -116,8 +116,9 @@ def split(interval_start: float, interval_end: float, points: Sequence[Phase]) -
     return dict(out)
 
 
-def bill_by_phase(events: Sequence[Event], nodes: NodeIntervals,
-                  usd_per_hour: Mapping[str, Optional[float]], priced: bool) -> Bill:
+def bill_by_phase(
+    events: Sequence[Event], nodes: NodeIntervals, usd_per_hour: Mapping[str, Optional[float]], priced: bool
+) -> Bill:
     """Every billed node-second of ``nodes`` in one bucket, per node type and in total.
 
     ``usd_per_hour``: each node type's price (None: unknown). ``priced``: a price table
@@ -130,8 +131,7 @@ def bill_by_phase(events: Sequence[Event], nodes: NodeIntervals,
             seconds[ntype][bucket] += s
     for ntype, start, end in nodes.released:
         seconds[ntype][RELEASED] += end - start
-    by_type = {t: _priced(seconds[t], usd_per_hour.get(t) if priced else None)
-               for t in sorted(seconds)}
+    by_type = {t: _priced(seconds[t], usd_per_hour.get(t) if priced else None) for t in sorted(seconds)}
     all_priced = priced and all(usd_per_hour.get(t) is not None for t in by_type)
     total = {}
     for b in BUCKETS:
@@ -141,5 +141,7 @@ def bill_by_phase(events: Sequence[Event], nodes: NodeIntervals,
 
 
 def _priced(seconds: Mapping[str, float], usd_per_hour: Optional[float]) -> Dict[str, PhaseCost]:
-    return {b: PhaseCost(seconds[b], seconds[b] / 3600.0 * usd_per_hour
-                         if usd_per_hour is not None else None) for b in BUCKETS}
+    return {
+        b: PhaseCost(seconds[b], seconds[b] / 3600.0 * usd_per_hour if usd_per_hour is not None else None)
+        for b in BUCKETS
+    }

@@ -30,25 +30,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="What elasticity did in a run and what it saved: world-size timeline, "
-                    "recoveries, checkpoints, node-hours, cost vs the on-demand baseline, "
-                    "the bill by phase (training / waiting / recovering / released), "
-                    "goodput. See docs/report.md.")
-    p.add_argument("run_path", metavar="RUN_PATH",
-                   help="the run directory <storage_path>/<name>: a local path, file://, "
-                        "s3://, gs://, abfs:// or az:// URI")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (stable keys) instead of text")
-    p.add_argument("--plots", metavar="DIR",
-                   help="write world_size.png, loss.png and cost.png into DIR")
-    p.add_argument("--prices", metavar="JSON_OR_PATH",
-                   help="USD per node-hour by node type, inline JSON or a JSON file, e.g. "
-                        "'{\"spot\": 0.9, \"on_demand\": 3.0}' (or a price_table record with "
-                        "usd_per_hour/markets/on_demand_type); overrides the event log's prices")
-    p.add_argument("--on-demand-type", metavar="NAME",
-                   help="node type whose price is the on-demand baseline (default: the price "
-                        "table's on_demand_type, else the cheapest on-demand type)")
-    p.add_argument("--metric", default="loss", metavar="KEY",
-                   help="metric plotted as the loss (default: loss)")
+        "recoveries, checkpoints, node-hours, cost vs the on-demand baseline, "
+        "the bill by phase (training / waiting / recovering / released), "
+        "goodput. See docs/report.md.",
+    )
+    p.add_argument(
+        "run_path",
+        metavar="RUN_PATH",
+        help="the run directory <storage_path>/<name>: a local path, file://, s3://, gs://, abfs:// or az:// URI",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object (stable keys) instead of text")
+    p.add_argument("--plots", metavar="DIR", help="write world_size.png, loss.png and cost.png into DIR")
+    p.add_argument(
+        "--prices",
+        metavar="JSON_OR_PATH",
+        help="USD per node-hour by node type, inline JSON or a JSON file, e.g. "
+        '\'{"spot": 0.9, "on_demand": 3.0}\' (or a price_table record with '
+        "usd_per_hour/markets/on_demand_type); overrides the event log's prices",
+    )
+    p.add_argument(
+        "--on-demand-type",
+        metavar="NAME",
+        help="node type whose price is the on-demand baseline (default: the price "
+        "table's on_demand_type, else the cheapest on-demand type)",
+    )
+    p.add_argument("--metric", default="loss", metavar="KEY", help="metric plotted as the loss (default: loss)")
     return p
 
 
@@ -103,9 +109,15 @@ def _run(args: argparse.Namespace) -> int:
             return _error(str(e))
     try:
         data = load_run(args.run_path)
-        report = build_report(data.events, data.metrics, prices, run_path=args.run_path,
-                              on_demand_type=args.on_demand_type, loss_key=args.metric,
-                              notes=data.notes)
+        report = build_report(
+            data.events,
+            data.metrics,
+            prices,
+            run_path=args.run_path,
+            on_demand_type=args.on_demand_type,
+            loss_key=args.metric,
+            notes=data.notes,
+        )
     except NotARunError as e:
         return _error(str(e))
     except (StorageError, ValueError, OSError) as e:  # CorruptLogError is a ValueError
@@ -121,8 +133,7 @@ def _run(args: argparse.Namespace) -> int:
             paths = write_plots(report, args.plots)
         except (RuntimeError, OSError, ValueError, OverflowError) as e:
             return _error(f"--plots {args.plots}: {e}")
-        print(_printable(f"{PROG}: wrote {', '.join(paths)}", sys.stderr, one_line=True),
-              file=sys.stderr)
+        print(_printable(f"{PROG}: wrote {', '.join(paths)}", sys.stderr, one_line=True), file=sys.stderr)
     return EXIT_OK
 
 

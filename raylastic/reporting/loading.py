@@ -72,22 +72,22 @@ def load_run(path: str) -> RunData:
     storage = Storage(path)
     names = storage.list_dir("")
     with _captured_warnings() as notes:
-        events, segments, _ = _read_log(storage, path, names, EVENTS_FILE, _check_event,
-                                        ("ts", "kind"))
+        events, segments, _ = _read_log(storage, path, names, EVENTS_FILE, _check_event, ("ts", "kind"))
         if not segments:
             raise NotARunError(_not_a_run_message(storage, path))
-        metrics, _, metrics_bytes = _read_log(storage, path, names, METRICS_FILE, _check_metric,
-                                              ("ts", "index"))
+        metrics, _, metrics_bytes = _read_log(storage, path, names, METRICS_FILE, _check_metric, ("ts", "index"))
     if not events:
-        raise NotARunError(f"{path}: {EVENTS_FILE} holds no events (the run never started, "
-                           "or the file is not a raylastic event log)")
+        raise NotARunError(
+            f"{path}: {EVENTS_FILE} holds no events (the run never started, or the file is not a raylastic event log)"
+        )
     if not metrics_bytes:
         notes.append(f"no {METRICS_FILE} in {path}: steps and goodput are unknown")
     return RunData(path, events, metrics, tuple(notes))
 
 
-def _read_log(storage, path: str, names: List[str], base: str, check: Callable[[Record], None],
-              required: Tuple[str, ...]) -> Tuple[List[Record], int, int]:
+def _read_log(
+    storage, path: str, names: List[str], base: str, check: Callable[[Record], None], required: Tuple[str, ...]
+) -> Tuple[List[Record], int, int]:
     """Records of every segment of ``base`` that have the ``required`` fields (others are
     not the run's records), each checked; the number of segments read, and their bytes."""
     out: List[Record] = []
@@ -110,6 +110,7 @@ def _read_log(storage, path: str, names: List[str], base: str, check: Callable[[
 
 
 # ----------------------------------------------------------------------------- field types
+
 
 def _bad(record: Record, key: str, expected: str) -> CorruptLogError:
     return CorruptLogError(f"field {key!r} is {shown_value(record[key])}; expected {expected}")
@@ -135,12 +136,21 @@ def _typed(record: Record, key: str, types: tuple, expected: str) -> None:
         raise _bad(record, key, expected)
 
 
-_INT_FIELDS = ("epoch", "world_size", "restore_index", "index", "reached_index", "lost_steps",
-               "bytes")
+_INT_FIELDS = ("epoch", "world_size", "restore_index", "index", "reached_index", "lost_steps", "bytes")
 _SECONDS_FIELDS = ("resize_s", "sync_s", "stage_s", "wait_s", "upload_s", "async_s")
 # Read as text (str() of anything else could be a huge or endlessly nested repr).
-_STR_FIELDS = ("node_type", "market", "message", "reason", "cause", "failure_kind", "state",
-               "decision", "error", "source")
+_STR_FIELDS = (
+    "node_type",
+    "market",
+    "message",
+    "reason",
+    "cause",
+    "failure_kind",
+    "state",
+    "decision",
+    "error",
+    "source",
+)
 
 
 def _check_event(e: Record) -> None:
@@ -160,8 +170,9 @@ def _check_event(e: Record) -> None:
     for key in ("wid", "node_id"):
         _typed(e, key, (str, int), "a string or an integer")
     nodes = e.get("nodes")
-    if nodes is not None and (not isinstance(nodes, list) or not all(
-            isinstance(n, (str, int)) and not isinstance(n, bool) for n in nodes)):
+    if nodes is not None and (
+        not isinstance(nodes, list) or not all(isinstance(n, (str, int)) and not isinstance(n, bool) for n in nodes)
+    ):
         raise _bad(e, "nodes", "a list of node ids")
 
 
@@ -178,6 +189,7 @@ def _check_metric(m: Record) -> None:
 
 # ----------------------------------------------------------------------------- not a run
 
+
 def _not_a_run_message(storage, path: str) -> str:
     head = f"{path} is not a raylastic run directory: it has no {EVENTS_FILE}"
     try:
@@ -189,8 +201,10 @@ def _not_a_run_message(storage, path: str) -> str:
     runs = [c for c in children[:50] if _safe_exists(storage, f"{c}/{EVENTS_FILE}")]
     if runs:
         shown = ", ".join(runs[:10]) + (" ..." if len(runs) > 10 else "")
-        return (f"{head}; it looks like a storage_path holding runs: {shown}. "
-                f"Try: raylastic report {path.rstrip('/')}/{runs[0]}")
+        return (
+            f"{head}; it looks like a storage_path holding runs: {shown}. "
+            f"Try: raylastic report {path.rstrip('/')}/{runs[0]}"
+        )
     return f"{head} (expected <storage_path>/<name>/{EVENTS_FILE}, written by fit())"
 
 

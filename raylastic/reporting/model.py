@@ -26,13 +26,22 @@ from raylastic.reporting.records import NodeTypeUsage, RunReport, Series
 # The run's status from its last session boundary: a run_started after the last
 # run_finished/run_failed means a resumed run that has not ended (yet).
 _SESSION_ENDS: Dict[Optional[EventKind], str] = {
-    EventKind.RUN_FINISHED: "finished", EventKind.RUN_FAILED: "failed", EventKind.RUN_STARTED: "incomplete"}
+    EventKind.RUN_FINISHED: "finished",
+    EventKind.RUN_FAILED: "failed",
+    EventKind.RUN_STARTED: "incomplete",
+}
 
 
-def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[str, Any]],
-                 prices: Optional[Prices] = None, *, run_path: str = "",
-                 on_demand_type: Optional[str] = None, loss_key: str = "loss",
-                 notes: Sequence[str] = ()) -> RunReport:
+def build_report(
+    events: Sequence[Mapping[str, Any]],
+    metrics: Sequence[Mapping[str, Any]],
+    prices: Optional[Prices] = None,
+    *,
+    run_path: str = "",
+    on_demand_type: Optional[str] = None,
+    loss_key: str = "loss",
+    notes: Sequence[str] = (),
+) -> RunReport:
     """The report of one run. ``prices`` (e.g. from --prices) override the event log's."""
     events = [e for e in events if isinstance(e.get("ts"), (int, float))]
     if not events:
@@ -45,15 +54,19 @@ def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[
     steps_info = _steps.step_times(metrics, walk.groups)
     nodes = _nodes.node_intervals(events, sessions)
     if nodes.approximated:
-        notes.append("no worker_ready events (older run): node-hours are approximated from "
-                     "group membership (group_formed.nodes)")
+        notes.append(
+            "no worker_ready events (older run): node-hours are approximated from group membership (group_formed.nodes)"
+        )
     effective = effective_prices(events, prices)
     cost = _cost(nodes, effective, steps_info.productive_worker_s, on_demand_type, notes)
-    bill_split = bill.bill_by_phase(events, nodes, {t: u.usd_per_hour for t, u in cost.usage.items()},
-                                    priced=effective is not None)
+    bill_split = bill.bill_by_phase(
+        events, nodes, {t: u.usd_per_hour for t, u in cost.usage.items()}, priced=effective is not None
+    )
     if nodes.intervals and not bill.has_states(events):
-        notes.append("no state events (older run): the bill's phases are inferred from "
-                     "group_formed / first_step / worker_lost / resize")
+        notes.append(
+            "no state events (older run): the bill's phases are inferred from "
+            "group_formed / first_step / worker_lost / resize"
+        )
     last_finish = next((e for e in reversed(events) if kind_of(e) in _SESSION_ENDS), None)
     status = _SESSION_ENDS.get(kind_of(last_finish) if last_finish else None, "incomplete")
     error = (
@@ -62,8 +75,10 @@ def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[
         else None
     )
     if status == "incomplete":
-        notes.append("the run has no run_finished/run_failed event: it is still running or "
-                     "crashed; numbers cover up to its last event")
+        notes.append(
+            "the run has no run_finished/run_failed event: it is still running or "
+            "crashed; numbers cover up to its last event"
+        )
     final_index = max((m["index"] for m, kept in zip(metrics, steps_info.kept) if kept), default=None)
     if status == "finished" and last_finish is not None and last_finish.get("index") is not None:
         final_index = last_finish["index"]
@@ -75,26 +90,39 @@ def build_report(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[
         "lost": sum(r.lost_steps for r in walk.resizes),
     }
     series = Series(
-        loss=tuple((float(m["ts"]) - t0, int(m["index"]), loss, kept)
-                   for m, kept in zip(metrics, steps_info.kept)
-                   if (loss := _finite((m.get("metrics") or {}).get(loss_key))) is not None),
-        cost=_nodes.cost_series(nodes, cost.price_of, steps_info, cost.od_worker_usd_h, t0,
-                                sessions),
+        loss=tuple(
+            (float(m["ts"]) - t0, int(m["index"]), loss, kept)
+            for m, kept in zip(metrics, steps_info.kept)
+            if (loss := _finite((m.get("metrics") or {}).get(loss_key))) is not None
+        ),
+        cost=_nodes.cost_series(nodes, cost.price_of, steps_info, cost.od_worker_usd_h, t0, sessions),
         loss_key=loss_key,
     )
     productive = steps_info.productive_s
     return RunReport(
-        run_path=run_path, status=status, error=error, start_ts=t0, end_ts=sessions[-1][1],
-        wall_s=wall_s, productive_step_s=productive,
+        run_path=run_path,
+        status=status,
+        error=error,
+        start_ts=t0,
+        end_ts=sessions[-1][1],
+        wall_s=wall_s,
+        productive_step_s=productive,
         goodput=(productive / wall_s) if wall_s > 0 and metrics else None,
-        steps=steps, world_size_timeline=tuple(walk.segments), recoveries=tuple(walk.recoveries),
-        resizes=tuple(walk.resizes), checkpoints=_checkpoints(events, t0),
-        node_hours=cost.usage, prices=cost.prices_json, cost_usd=cost.total,
-        on_demand_type=cost.od_type, on_demand_cost_usd=cost.baseline,
+        steps=steps,
+        world_size_timeline=tuple(walk.segments),
+        recoveries=tuple(walk.recoveries),
+        resizes=tuple(walk.resizes),
+        checkpoints=_checkpoints(events, t0),
+        node_hours=cost.usage,
+        prices=cost.prices_json,
+        cost_usd=cost.total,
+        on_demand_type=cost.od_type,
+        on_demand_cost_usd=cost.baseline,
         savings_usd=cost.savings,
-        savings_pct=(cost.savings / cost.baseline * 100.0)
-        if cost.savings is not None and cost.baseline else None,
-        productive_worker_s=steps_info.productive_worker_s, notes=tuple(notes), bill=bill_split,
+        savings_pct=(cost.savings / cost.baseline * 100.0) if cost.savings is not None and cost.baseline else None,
+        productive_worker_s=steps_info.productive_worker_s,
+        notes=tuple(notes),
+        bill=bill_split,
         series=series,
     )
 
@@ -111,8 +139,9 @@ class _Cost:
     price_of: Dict[str, float]
 
 
-def _cost(nodes, prices: Optional[Prices], productive_worker_s: float,
-          od_override: Optional[str], notes: List[str]) -> _Cost:
+def _cost(
+    nodes, prices: Optional[Prices], productive_worker_s: float, od_override: Optional[str], notes: List[str]
+) -> _Cost:
     table = dict(prices.usd_per_hour) if prices else {}
     markets = dict(prices.markets) if prices else {}
     for t, m in nodes.markets.items():
@@ -120,16 +149,20 @@ def _cost(nodes, prices: Optional[Prices], productive_worker_s: float,
     usage = {}
     for t in sorted(nodes.hours):
         price = table.get(t)
-        usage[t] = NodeTypeUsage(markets.get(t), nodes.count[t], nodes.hours[t], price,
-                                 nodes.hours[t] * price if price is not None else None)
+        usage[t] = NodeTypeUsage(
+            markets.get(t), nodes.count[t], nodes.hours[t], price, nodes.hours[t] * price if price is not None else None
+        )
     missing = sorted(t for t in usage if t not in table)
     if prices is None:
-        notes.append("no price table in the event log: cost is unknown; pass --prices "
-                     "'{\"<node_type>\": <USD per hour>, ...}'")
+        notes.append(
+            "no price table in the event log: cost is unknown; pass --prices '{\"<node_type>\": <USD per hour>, ...}'"
+        )
     elif missing:
-        notes.append(f"no hourly price for node type(s) {missing} used by this run (prices from "
-                     f"{prices.source or '?'} cover {sorted(table)}): cost is unknown; pass "
-                     f"--prices '{{\"{missing[0]}\": <USD per hour>}}'")
+        notes.append(
+            f"no hourly price for node type(s) {missing} used by this run (prices from "
+            f"{prices.source or '?'} cover {sorted(table)}): cost is unknown; pass "
+            f"--prices '{{\"{missing[0]}\": <USD per hour>}}'"
+        )
     costs = [u.cost_usd for u in usage.values() if u.cost_usd is not None]  # every type's, when none is missing
     total: Optional[float] = sum(costs) if usage and not missing and prices else None
     if prices is not None and not usage:
@@ -139,8 +172,11 @@ def _cost(nodes, prices: Optional[Prices], productive_worker_s: float,
         candidates = sorted((table[t], t) for t, m in markets.items() if m == "on_demand" and t in table)
         if candidates:
             od = candidates[0][1]
-        elif len(table) == 1 and not any(m == "on_demand" for m in markets.values()) and (
-                not markets or all(m is None for m in markets.values())):
+        elif (
+            len(table) == 1
+            and not any(m == "on_demand" for m in markets.values())
+            and (not markets or all(m is None for m in markets.values()))
+        ):
             od = next(iter(table))  # a run without node types: its one type is the baseline
     baseline = od_worker = None
     if od is not None and od in table:
@@ -148,14 +184,31 @@ def _cost(nodes, prices: Optional[Prices], productive_worker_s: float,
         od_worker = table[od] / slots
         baseline = productive_worker_s / 3600.0 * od_worker
     elif prices is not None:
-        notes.append(f"on-demand baseline unknown: {'no price for ' + repr(od) if od else 'no on-demand node type known'}"
-                     "; pass --on-demand-type NAME (and its price in --prices)")
+        notes.append(
+            f"on-demand baseline unknown: {'no price for ' + repr(od) if od else 'no on-demand node type known'}"
+            "; pass --on-demand-type NAME (and its price in --prices)"
+        )
     savings = baseline - total if baseline is not None and total is not None else None
-    prices_json = None if prices is None else {
-        "usd_per_hour": dict(table), "markets": dict(prices.markets),
-        "on_demand_type": od, "source": prices.source}
-    return _Cost(usage, prices_json, total, od, baseline, savings, od_worker,
-                 {t: table[t] for t in usage if t in table} if total is not None else {})
+    prices_json = (
+        None
+        if prices is None
+        else {
+            "usd_per_hour": dict(table),
+            "markets": dict(prices.markets),
+            "on_demand_type": od,
+            "source": prices.source,
+        }
+    )
+    return _Cost(
+        usage,
+        prices_json,
+        total,
+        od,
+        baseline,
+        savings,
+        od_worker,
+        {t: table[t] for t in usage if t in table} if total is not None else {},
+    )
 
 
 def _finite(v: Any) -> Optional[float]:
@@ -180,12 +233,21 @@ def _sync_s(e: Mapping[str, Any]) -> Optional[float]:
 
 
 def _checkpoints(events, t0: float) -> Dict[str, Any]:
-    items = [{
-        "index": e.get("index"), "epoch": e.get("epoch"), "at_s": float(e["ts"]) - t0,
-        "bytes": e.get("bytes"), "sync_s": _sync_s(e),
-        "async_s": e.get("async_s", e.get("upload_s")),
-        "stage_s": e.get("stage_s"), "wait_s": e.get("wait_s"), "upload_s": e.get("upload_s"),
-    } for e in events if kind_of(e) is EventKind.CHECKPOINT_COMMITTED]
+    items = [
+        {
+            "index": e.get("index"),
+            "epoch": e.get("epoch"),
+            "at_s": float(e["ts"]) - t0,
+            "bytes": e.get("bytes"),
+            "sync_s": _sync_s(e),
+            "async_s": e.get("async_s", e.get("upload_s")),
+            "stage_s": e.get("stage_s"),
+            "wait_s": e.get("wait_s"),
+            "upload_s": e.get("upload_s"),
+        }
+        for e in events
+        if kind_of(e) is EventKind.CHECKPOINT_COMMITTED
+    ]
 
     def stat(key, fn):
         vals = [i[key] for i in items if isinstance(i[key], (int, float))]
@@ -197,9 +259,12 @@ def _checkpoints(events, t0: float) -> Dict[str, Any]:
         "deleted": sum(1 for e in events if kind_of(e) is EventKind.CHECKPOINT_DELETED),
         "invalid": sum(1 for e in events if kind_of(e) is EventKind.CHECKPOINT_INVALID),
         "skipped": sum(1 for e in events if kind_of(e) is EventKind.CHECKPOINT_SKIPPED),
-        "bytes_total": stat("bytes", sum), "bytes_last": items[-1]["bytes"] if items else None,
-        "sync_s_mean": stat("sync_s", statistics.fmean), "sync_s_max": stat("sync_s", max),
+        "bytes_total": stat("bytes", sum),
+        "bytes_last": items[-1]["bytes"] if items else None,
+        "sync_s_mean": stat("sync_s", statistics.fmean),
+        "sync_s_max": stat("sync_s", max),
         "sync_s_total": stat("sync_s", sum),
-        "async_s_mean": stat("async_s", statistics.fmean), "async_s_max": stat("async_s", max),
+        "async_s_mean": stat("async_s", statistics.fmean),
+        "async_s_max": stat("async_s", max),
         "items": items,
     }

@@ -71,8 +71,7 @@ def failure_crosses(report: RunReport) -> List[Tuple[float, int]]:
     """(t_s, world size before) of the red crosses in world_size.png: one per recovery,
     i.e. per loss. A planned move (a worker released or moved off a draining node) is a
     graceful resize, drawn as a blue line, never as a cross."""
-    return [(x.at_s, x.world_size_before) for x in report.recoveries
-            if x.world_size_before is not None]
+    return [(x.at_s, x.world_size_before) for x in report.recoveries if x.world_size_before is not None]
 
 
 def _world_size(fig, report: RunReport) -> None:
@@ -96,8 +95,12 @@ def _world_size(fig, report: RunReport) -> None:
     ax.set_xlabel("wall time since run start (s)")
     ax.set_ylabel("workers")
     n_rec, n_res = len(report.recoveries), sum(z.graceful for z in report.resizes)
-    ax.set_title(_title(report, f"World size: {_n(n_rec, 'recovery', 'recoveries')}, "
-                                f"{_n(n_res, 'graceful resize', 'graceful resizes')}"))
+    ax.set_title(
+        _title(
+            report,
+            f"World size: {_n(n_rec, 'recovery', 'recoveries')}, {_n(n_res, 'graceful resize', 'graceful resizes')}",
+        )
+    )
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
 
@@ -124,20 +127,22 @@ def _loss(fig, report: RunReport) -> None:
     axes = [fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)]
     for ax, by_step in zip(axes, (True, False)):
         if not pts:
-            ax.text(0.5, 0.5, f"no '{key}' metric was reported", ha="center", va="center",
-                    transform=ax.transAxes)
+            ax.text(0.5, 0.5, f"no '{key}' metric was reported", ha="center", va="center", transform=ax.transAxes)
         else:
             x = (lambda p: p[1]) if by_step else (lambda p: p[0])  # noqa: E731
             kept = [p for p in pts if p[3]]
             redone = [p for p in pts if not p[3]]
             if redone:
-                ax.plot([x(p) for p in redone], [p[2] for p in redone], ".", color=_REDONE,
-                        label="re-trained after a recovery")
-            cuts = [] if by_step else [r.at_s for r in report.recoveries] + [
-                z.at_s for z in report.resizes]
+                ax.plot(
+                    [x(p) for p in redone],
+                    [p[2] for p in redone],
+                    ".",
+                    color=_REDONE,
+                    label="re-trained after a recovery",
+                )
+            cuts = [] if by_step else [r.at_s for r in report.recoveries] + [z.at_s for z in report.resizes]
             kept.sort(key=x)
-            ax.plot(*_broken([x(p) for p in kept], [p[2] for p in kept], cuts), "-",
-                    color=_KEPT, lw=1.2, label="kept")
+            ax.plot(*_broken([x(p) for p in kept], [p[2] for p in kept], cuts), "-", color=_KEPT, lw=1.2, label="kept")
             values = [p[2] for p in pts]
             if min(values) > 0 and max(values) / min(values) > 100:
                 ax.set_yscale("log")
@@ -155,19 +160,30 @@ def _cost(fig, report: RunReport) -> None:
     pts = report.series.cost
     known = pts and pts[-1][2] is not None
     if not pts:
-        ax.text(0.5, 0.5, "no node held a worker slot", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(0.5, 0.5, "no node held a worker slot", ha="center", va="center", transform=ax.transAxes)
     elif known:
-        ax.plot([p[0] for p in pts], [p[2] for p in pts], color="black", lw=2,
-                label=f"cost ({report.cost_usd:.4f} USD)")
+        ax.plot(
+            [p[0] for p in pts], [p[2] for p in pts], color="black", lw=2, label=f"cost ({report.cost_usd:.4f} USD)"
+        )
         if pts[-1][3] is not None:
-            ax.plot([p[0] for p in pts], [p[3] for p in pts], color="tab:orange", lw=2, ls="--",
-                    label=f"on-demand baseline: kept work priced on {report.on_demand_type} "
-                          f"({report.on_demand_cost_usd:.4f} USD)")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[3] for p in pts],
+                color="tab:orange",
+                lw=2,
+                ls="--",
+                label=f"on-demand baseline: kept work priced on {report.on_demand_type} "
+                f"({report.on_demand_cost_usd:.4f} USD)",
+            )
         ax.set_ylabel("cumulative USD")
     else:
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], color="black", lw=2,
-                label="node-hours (prices unknown: pass --prices)")
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            color="black",
+            lw=2,
+            label="node-hours (prices unknown: pass --prices)",
+        )
         ax.set_ylabel("cumulative node-hours")
     _marks(ax, report)
     ax.set_xlabel("wall time since run start (s)")

@@ -29,10 +29,12 @@ class Prices:
         """``override`` (e.g. --prices) wins key by key."""
         if override is None:
             return self
-        return Prices({**self.usd_per_hour, **override.usd_per_hour},
-                      {**self.markets, **override.markets},
-                      override.on_demand_type or self.on_demand_type,
-                      " + ".join(s for s in (self.source, override.source) if s))
+        return Prices(
+            {**self.usd_per_hour, **override.usd_per_hour},
+            {**self.markets, **override.markets},
+            override.on_demand_type or self.on_demand_type,
+            " + ".join(s for s in (self.source, override.source) if s),
+        )
 
 
 def parse_prices(obj: Any, source: str) -> Prices:
@@ -46,10 +48,13 @@ def parse_prices(obj: Any, source: str) -> Prices:
         raise ValueError(f"{source}: usd_per_hour must be an object (node type -> USD per hour)")
     usd = {}
     for name, price in table.items():
-        if isinstance(price, bool) or not isinstance(price, (int, float)) or not (
-                0 <= price <= sys.float_info.max):  # NaN, inf and ints beyond floats fail
-            raise ValueError(f"{source}: price for node type {name!r} is {shown_value(price)}; "
-                             "use a finite number of USD per hour >= 0")
+        if (
+            isinstance(price, bool) or not isinstance(price, (int, float)) or not (0 <= price <= sys.float_info.max)
+        ):  # NaN, inf and ints beyond floats fail
+            raise ValueError(
+                f"{source}: price for node type {name!r} is {shown_value(price)}; "
+                "use a finite number of USD per hour >= 0"
+            )
         usd[str(name)] = float(price)
     markets = (obj.get("markets") or {}) if record else {}
     if not isinstance(markets, Mapping):
@@ -57,8 +62,7 @@ def parse_prices(obj: Any, source: str) -> Prices:
     markets = {str(name): market for name, market in markets.items()}
     for name, market in markets.items():
         if not isinstance(market, str) or market not in ("spot", "on_demand"):
-            raise ValueError(f"{source}: market of {name!r} is {shown_value(market)}; "
-                             "use 'spot' or 'on_demand'")
+            raise ValueError(f"{source}: market of {name!r} is {shown_value(market)}; use 'spot' or 'on_demand'")
     od = obj.get("on_demand_type") if record else None
     if od is not None and not isinstance(od, str):
         raise ValueError(f"{source}: on_demand_type is {shown_value(od)}; use a node type name")
@@ -84,8 +88,7 @@ def read_prices_arg(arg: str) -> Prices:
             with open(arg, encoding="utf-8") as fh:
                 text, source = fh.read(), arg
         except OSError as e:
-            raise ValueError(f"--prices {arg!r}: not inline JSON and not a readable file "
-                             f"({e.strerror or e})") from None
+            raise ValueError(f"--prices {arg!r}: not inline JSON and not a readable file ({e.strerror or e})") from None
     try:
         obj = json.loads(text)
     except (ValueError, RecursionError) as e:  # JSONDecodeError; too deep; too many digits

@@ -15,16 +15,37 @@ SCHEMA_VERSION = 1
 
 # --json prints exactly these keys in this order (a test freezes them): tools parse it.
 JSON_KEYS = (
-    "schema_version", "run_path", "status", "error", "start_ts", "end_ts", "wall_s",
-    "productive_step_s", "goodput", "steps", "world_size_timeline", "recoveries", "resizes",
-    "checkpoints", "node_hours", "prices", "cost_usd", "on_demand_type", "on_demand_cost_usd",
-    "savings_usd", "savings_pct", "productive_worker_s", "notes", "bill",
+    "schema_version",
+    "run_path",
+    "status",
+    "error",
+    "start_ts",
+    "end_ts",
+    "wall_s",
+    "productive_step_s",
+    "goodput",
+    "steps",
+    "world_size_timeline",
+    "recoveries",
+    "resizes",
+    "checkpoints",
+    "node_hours",
+    "prices",
+    "cost_usd",
+    "on_demand_type",
+    "on_demand_cost_usd",
+    "savings_usd",
+    "savings_pct",
+    "productive_worker_s",
+    "notes",
+    "bill",
 )
 
 
 @dataclass(frozen=True)
 class Segment:
     """One membership epoch: ``world_size`` workers trained from ``start_s`` to ``end_s``."""
+
     epoch: int
     world_size: int
     start_s: float
@@ -39,6 +60,7 @@ class Recovery:
     are merged into one recovery. Planned moves (a worker released or moved off a draining
     node during a graceful stop) are not losses: they are part of their graceful
     :class:`Resize`."""
+
     at_s: float
     cause: str
     nodes: Tuple[str, ...]
@@ -56,6 +78,7 @@ class Recovery:
 class Resize:
     """One ``resize`` event: graceful (scale-up, a planned move, a drained node) or after a
     failure (then also part of a :class:`Recovery`)."""
+
     at_s: float
     graceful: bool
     from_world_size: Optional[int]
@@ -79,6 +102,7 @@ class NodeTypeUsage:
 @dataclass(frozen=True)
 class PhaseCost:
     """Billed node-seconds of one bill bucket, and their cost (None: a price is unknown)."""
+
     node_s: float
     usd: Optional[float]
 
@@ -87,6 +111,7 @@ class PhaseCost:
 class Bill:
     """The bill split by what the nodes were doing (``bill.BUCKETS``): per node type and
     in total, each bucket's :class:`PhaseCost`. The buckets add up to the node-hours."""
+
     by_node_type: Dict[str, Dict[str, PhaseCost]] = field(default_factory=dict)
     total: Dict[str, PhaseCost] = field(default_factory=dict)
 
@@ -94,6 +119,7 @@ class Bill:
 @dataclass(frozen=True)
 class Series:
     """Plot data (not part of --json)."""
+
     loss: Tuple[Tuple[float, int, float, bool], ...]  # (t_s, index, value, kept)
     cost: Tuple[Tuple[float, float, Optional[float], Optional[float]], ...]  # t, node-h, cost, baseline
     loss_key: str = "loss"

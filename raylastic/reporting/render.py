@@ -9,15 +9,23 @@ from typing import List, Optional, Sequence
 from raylastic.reporting.records import PhaseCost, RunReport
 
 # The bill table's columns: (bucket of records.Bill, header).
-_BILL_COLUMNS = (("training", "training"), ("waiting", "waiting"), ("recovering", "recovering"),
-                 ("released", "released-but-billed"))
+_BILL_COLUMNS = (
+    ("training", "training"),
+    ("waiting", "waiting"),
+    ("recovering", "recovering"),
+    ("released", "released-but-billed"),
+)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "  ") -> List[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    line = lambda cells: indent + "  ".join(  # noqa: E731
-        str(c).ljust(w) if i == len(widths) - 1 else str(c).rjust(w) if _numeric(c) else str(c).ljust(w)
-        for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    line = lambda cells: (
+        indent
+        + "  ".join(  # noqa: E731
+            str(c).ljust(w) if i == len(widths) - 1 else str(c).rjust(w) if _numeric(c) else str(c).ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+    )
     return [line(headers)] + [line(r) for r in rows]
 
 
@@ -75,34 +83,75 @@ def render_text(r: RunReport, *, max_rows: int = 40) -> str:
         "",
         "World size timeline (t = seconds since the run started)",
     ]
-    seg_rows = [(fmt_s(s.start_s), fmt_s(s.end_s), s.epoch, s.world_size, s.restore_index, s.ended_by)
-                for s in r.world_size_timeline]
-    out += _limited(_table(["from", "to", "epoch", "world", "restored", "ended by"], seg_rows), max_rows) \
-        if seg_rows else ["  (no group was ever formed)"]
+    seg_rows = [
+        (fmt_s(s.start_s), fmt_s(s.end_s), s.epoch, s.world_size, s.restore_index, s.ended_by)
+        for s in r.world_size_timeline
+    ]
+    out += (
+        _limited(_table(["from", "to", "epoch", "world", "restored", "ended by"], seg_rows), max_rows)
+        if seg_rows
+        else ["  (no group was ever formed)"]
+    )
     out += ["", f"Recoveries (failures / preemptions): {len(r.recoveries)}"]
     rows: List[Sequence[object]]
     if r.recoveries:
-        rows = [(fmt_s(x.at_s), x.cause, ",".join(n[-8:] for n in x.nodes) or "-", fmt_s(x.detection_s),
-                 fmt_s(x.recovery_s) if x.recovery_s is not None else "not recovered", x.steps_lost,
-                 f"{_ws(x.world_size_before)} -> {_ws(x.world_size_after)}", _short(x.reason, 50))
-                for x in r.recoveries]
-        out += _limited(_table(["at", "cause", "nodes", "detect s", "recovery s", "steps lost",
-                                "world", "reason"], rows), max_rows)
+        rows = [
+            (
+                fmt_s(x.at_s),
+                x.cause,
+                ",".join(n[-8:] for n in x.nodes) or "-",
+                fmt_s(x.detection_s),
+                fmt_s(x.recovery_s) if x.recovery_s is not None else "not recovered",
+                x.steps_lost,
+                f"{_ws(x.world_size_before)} -> {_ws(x.world_size_after)}",
+                _short(x.reason, 50),
+            )
+            for x in r.recoveries
+        ]
+        out += _limited(
+            _table(["at", "cause", "nodes", "detect s", "recovery s", "steps lost", "world", "reason"], rows), max_rows
+        )
     graceful = [z for z in r.resizes if z.graceful]
     out += ["", f"Graceful resizes: {len(graceful)}"]
     if graceful:
-        rows = [(fmt_s(z.at_s), f"{_ws(z.from_world_size)} -> {_ws(z.to_world_size)}",
-                 z.reached_index if z.reached_index is not None else "-", fmt_s(z.resize_s),
-                 fmt_s(z.pause_s), z.lost_steps, _short(z.reason, 50)) for z in graceful]
-        out += _limited(_table(["at", "world", "at step", "resize s", "pause s", "steps lost",
-                                "reason"], rows), max_rows)
+        rows = [
+            (
+                fmt_s(z.at_s),
+                f"{_ws(z.from_world_size)} -> {_ws(z.to_world_size)}",
+                z.reached_index if z.reached_index is not None else "-",
+                fmt_s(z.resize_s),
+                fmt_s(z.pause_s),
+                z.lost_steps,
+                _short(z.reason, 50),
+            )
+            for z in graceful
+        ]
+        out += _limited(
+            _table(["at", "world", "at step", "resize s", "pause s", "steps lost", "reason"], rows), max_rows
+        )
     out += ["", *_checkpoint_lines(r), "", "Node-hours and cost"]
     if r.node_hours:
-        rows = [(t, u.market or "-", u.nodes, f"{u.hours:.4f}",
-                 f"{u.usd_per_hour:.3f}" if u.usd_per_hour is not None else "unknown",
-                 fmt_usd(u.cost_usd)) for t, u in r.node_hours.items()]
-        rows.append(("total", "", sum(u.nodes for u in r.node_hours.values()),
-                     f"{sum(u.hours for u in r.node_hours.values()):.4f}", "", fmt_usd(r.cost_usd)))
+        rows = [
+            (
+                t,
+                u.market or "-",
+                u.nodes,
+                f"{u.hours:.4f}",
+                f"{u.usd_per_hour:.3f}" if u.usd_per_hour is not None else "unknown",
+                fmt_usd(u.cost_usd),
+            )
+            for t, u in r.node_hours.items()
+        ]
+        rows.append(
+            (
+                "total",
+                "",
+                sum(u.nodes for u in r.node_hours.values()),
+                f"{sum(u.hours for u in r.node_hours.values()):.4f}",
+                "",
+                fmt_usd(r.cost_usd),
+            )
+        )
         out += _table(["node type", "market", "nodes", "node-hours", "USD/h", "cost"], rows)
     else:
         out.append("  (no worker held a slot)")
@@ -129,15 +178,18 @@ def _checkpoint_lines(r: RunReport) -> List[str]:
     invalid += f", {c['skipped']} skipped (upload busy)" if c.get("skipped") else ""
     if not c["count"]:
         return [f"Checkpoints: none committed ({c['restored']} restored{invalid})"]
-    lines = [f"Checkpoints: {c['count']} committed, {c['restored']} restored, {c['deleted']} "
-             f"deleted by retention{invalid}; size {fmt_bytes(c['bytes_last'])} (last), "
-             f"{fmt_bytes(c['bytes_total'])} written"]
+    lines = [
+        f"Checkpoints: {c['count']} committed, {c['restored']} restored, {c['deleted']} "
+        f"deleted by retention{invalid}; size {fmt_bytes(c['bytes_last'])} (last), "
+        f"{fmt_bytes(c['bytes_total'])} written"
+    ]
     if c["sync_s_mean"] is not None:
-        lines.append(f"  sync (training blocked)  mean {fmt_s(c['sync_s_mean'])} s, max "
-                     f"{fmt_s(c['sync_s_max'])} s, total {fmt_s(c['sync_s_total'])} s")
+        lines.append(
+            f"  sync (training blocked)  mean {fmt_s(c['sync_s_mean'])} s, max "
+            f"{fmt_s(c['sync_s_max'])} s, total {fmt_s(c['sync_s_total'])} s"
+        )
     if c["async_s_mean"] is not None:
-        lines.append(f"  async (upload)           mean {fmt_s(c['async_s_mean'])} s, max "
-                     f"{fmt_s(c['async_s_max'])} s")
+        lines.append(f"  async (upload)           mean {fmt_s(c['async_s_mean'])} s, max {fmt_s(c['async_s_max'])} s")
     return lines
 
 
@@ -150,21 +202,21 @@ def _bill_lines(r: RunReport) -> List[str]:
     s_w = max(len(f"{p.node_s:.1f}") for p in cells)
     usd_w = max(len(fmt_usd(p.usd)) for p in cells)
     rows = [(t, *(_bill_cell(phases[b], s_w, usd_w) for b, _ in _BILL_COLUMNS)) for t, phases in lines]
-    return ["", "Bill by phase (node-seconds, USD)"] + _table(
-        ["node type", *(h for _, h in _BILL_COLUMNS)], rows)
+    return ["", "Bill by phase (node-seconds, USD)"] + _table(["node type", *(h for _, h in _BILL_COLUMNS)], rows)
 
 
 def _bill_cell(p: PhaseCost, s_w: int, usd_w: int) -> str:
-    return f"{p.node_s:.1f}".rjust(s_w) + " s" + (
-        f"  {fmt_usd(p.usd).rjust(usd_w)}" if p.usd is not None else "")
+    return f"{p.node_s:.1f}".rjust(s_w) + " s" + (f"  {fmt_usd(p.usd).rjust(usd_w)}" if p.usd is not None else "")
 
 
 def _cost_lines(r: RunReport) -> List[str]:
     out = ["", f"  cost                 {fmt_usd(r.cost_usd)}"]
     if r.on_demand_type is not None or r.on_demand_cost_usd is not None:
-        out.append(f"  on-demand baseline   {fmt_usd(r.on_demand_cost_usd)}  "
-                   f"({r.productive_worker_s / 3600:.4f} productive worker-hours on "
-                   f"{r.on_demand_type or '?'})")
+        out.append(
+            f"  on-demand baseline   {fmt_usd(r.on_demand_cost_usd)}  "
+            f"({r.productive_worker_s / 3600:.4f} productive worker-hours on "
+            f"{r.on_demand_type or '?'})"
+        )
     else:
         out.append("  on-demand baseline   unknown")
     if r.savings_usd is not None:

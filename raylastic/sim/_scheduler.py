@@ -49,8 +49,7 @@ class Scheduler(threading.Thread):
     def run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopped and (
-                        not self._heap or self._heap[0][0] > time.monotonic()):
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
                     self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
                 if self._stopped:
                     return

@@ -59,8 +59,7 @@ logger = logging.getLogger(__name__)
 
 # Environment of the head's processes (the monitor inherits it): fake-cluster mode, a
 # 1 s autoscaler loop (Ray's default is 5 s), autoscaler v1.
-_HEAD_ENV = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
-             "RAY_enable_autoscaler_v2": "0"}
+_HEAD_ENV = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_enable_autoscaler_v2": "0"}
 _PROVIDER_SHUTDOWN_WAIT_S = 10.0
 
 
@@ -78,16 +77,23 @@ class SpotCloud:
     ``ray.shutdown`` on shutdown).
     """
 
-    def __init__(self, node_types: Sequence[SimNodeType] = DEFAULT_SIM_NODE_TYPES, *,
-                 capacity: Optional[Mapping[str, int]] = None, idle_timeout_s: Optional[float] = None,
-                 time_scale: Optional[Union[float, TimeScale]] = None,
-                 connect_driver: bool = True) -> None:
+    def __init__(
+        self,
+        node_types: Sequence[SimNodeType] = DEFAULT_SIM_NODE_TYPES,
+        *,
+        capacity: Optional[Mapping[str, int]] = None,
+        idle_timeout_s: Optional[float] = None,
+        time_scale: Optional[Union[float, TimeScale]] = None,
+        connect_driver: bool = True,
+    ) -> None:
         self.time_scale: Optional[TimeScale] = None
         if time_scale is not None:
             self.time_scale = time_scale if isinstance(time_scale, TimeScale) else TimeScale(time_scale)
             if idle_timeout_s is not None or any(t.launch_delay_s for t in node_types):
-                raise ValueError("SpotCloud: with time_scale, idle_timeout_s and launch_delay_s derive "
-                                 "from real-world values (raylastic.sim.timescale); leave them unset")
+                raise ValueError(
+                    "SpotCloud: with time_scale, idle_timeout_s and launch_delay_s derive "
+                    "from real-world values (raylastic.sim.timescale); leave them unset"
+                )
             node_types = [replace(t, launch_delay_s=self.time_scale.launch_delay_s) for t in node_types]
             idle_timeout_s = self.time_scale.idle_timeout_s
         self.node_types: Dict[str, SimNodeType] = {t.name: t for t in node_types}
@@ -122,27 +128,37 @@ class SpotCloud:
         if self._dir is not None:
             raise RuntimeError("SpotCloud is already started; create a new one per cluster")
         if self._connect_driver and ray.is_initialized():
-            raise RuntimeError("SpotCloud connects this process's driver to its head, but "
-                               "Ray is already initialized here: call ray.shutdown() first, "
-                               "or pass connect_driver=False")
+            raise RuntimeError(
+                "SpotCloud connects this process's driver to its head, but "
+                "Ray is already initialized here: call ray.shutdown() first, "
+                "or pass connect_driver=False"
+            )
         self._dir = Path(tempfile.mkdtemp(prefix="raylastic-spotcloud-"))
         atexit.register(self.shutdown)
         try:
             self._write_control()
             port = free_port()
             config = autoscaler_config(
-                tuple(self.node_types.values()), idle_timeout_s=self._idle_timeout_s,
-                gcs_address=f"{ray.util.get_node_ip_address()}:{port}", state_dir=self._dir)
+                tuple(self.node_types.values()),
+                idle_timeout_s=self._idle_timeout_s,
+                gcs_address=f"{ray.util.get_node_ip_address()}:{port}",
+                state_dir=self._dir,
+            )
             config_path = self._dir / "autoscaler.json"
             config_path.write_text(json.dumps(config, indent=1), encoding="utf-8")
             with environ(_HEAD_ENV):
-                self._cluster = Cluster(initialize_head=True, head_node_args={
-                    "num_cpus": 0, "gcs_server_port": port, "include_dashboard": False,
-                    "autoscaling_config": str(config_path),
-                    "_system_config": dict(FAST_FAILURE_DETECTION),
-                    "object_store_memory": NODE_OBJECT_STORE_BYTES,
-                    "env_vars": {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": _prov.HEAD_NODE_ID},
-                })
+                self._cluster = Cluster(
+                    initialize_head=True,
+                    head_node_args={
+                        "num_cpus": 0,
+                        "gcs_server_port": port,
+                        "include_dashboard": False,
+                        "autoscaling_config": str(config_path),
+                        "_system_config": dict(FAST_FAILURE_DETECTION),
+                        "object_store_memory": NODE_OBJECT_STORE_BYTES,
+                        "env_vars": {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": _prov.HEAD_NODE_ID},
+                    },
+                )
             # GcsClient: not in Ray's partial _raylet.pyi
             self._gcs = ray._raylet.GcsClient(address=self.address)  # type: ignore[attr-defined]
             if self._connect_driver:
@@ -171,12 +187,13 @@ class SpotCloud:
         if self._cluster is not None:
             self._write_control(shutdown=True)
             try:
-                wait_for(lambda: any(e["event"] == "provider_shutdown"
-                                     for e in _prov.read_events(self._state_dir())),
-                         _PROVIDER_SHUTDOWN_WAIT_S, "the provider to stop its nodes")
+                wait_for(
+                    lambda: any(e["event"] == "provider_shutdown" for e in _prov.read_events(self._state_dir())),
+                    _PROVIDER_SHUTDOWN_WAIT_S,
+                    "the provider to stop its nodes",
+                )
             except TimeoutError:
-                logger.warning("spot cloud: the provider did not confirm its shutdown; "
-                               "killing its raylets by pid")
+                logger.warning("spot cloud: the provider did not confirm its shutdown; killing its raylets by pid")
                 self._kill_leftover_raylets(self.session_name)
             self._cluster.shutdown()
             self._cluster = None
@@ -204,8 +221,8 @@ class SpotCloud:
 
     def prices(self) -> PriceTable:
         return PriceTable.from_mapping(
-            {n: t.price_usd_per_hour for n, t in self.node_types.items()},
-            source="raylastic.sim.SpotCloud")
+            {n: t.price_usd_per_hour for n, t in self.node_types.items()}, source="raylastic.sim.SpotCloud"
+        )
 
     def alive_nodes(self, node_type: Optional[str] = None) -> Dict[str, str]:
         """Alive worker nodes (draining ones included) as ``{node_id_hex: node_type}``, as
@@ -219,8 +236,7 @@ class SpotCloud:
         for node_id, info in infos.items():
             if info.state != gcs_pb2.GcsNodeInfo.ALIVE:
                 continue
-            names = [k[len(RESOURCE_PREFIX):] for k in info.resources_total
-                     if k.startswith(RESOURCE_PREFIX)]
+            names = [k[len(RESOURCE_PREFIX) :] for k in info.resources_total if k.startswith(RESOURCE_PREFIX)]
             if names and (node_type is None or names[0] == node_type):
                 out[node_id.hex()] = names[0]
         return out
@@ -262,20 +278,25 @@ class SpotCloud:
             alive = {k: v for k, v in self.alive_nodes(node_type).items() if k in up}
             return alive if len(alive) >= n else None
 
-        return wait_for(enough, timeout_s, lambda: (
-            f"{n} alive {node_type!r} node(s): {len(self.alive_nodes(node_type))} alive, "
-            f"capacity {self.capacity(node_type)} (cloud.history has the launches)"))
+        return wait_for(
+            enough,
+            timeout_s,
+            lambda: (
+                f"{n} alive {node_type!r} node(s): {len(self.alive_nodes(node_type))} alive, "
+                f"capacity {self.capacity(node_type)} (cloud.history has the launches)"
+            ),
+        )
 
     def wait_for_trace(self, timeout_s: float) -> None:
         """Wait until every scheduled trace event and kill has run: each preempted node
         has its ``preempted`` record and is dead."""
+
         def done() -> bool:
             if not self._sched().idle():
                 return False
             with self._lock:
                 killed = {n for n, _ in self._kill}
-            recorded = {e["node_id"] for e in _prov.read_events(self._state_dir())
-                        if e["event"] == "preempted"}
+            recorded = {e["node_id"] for e in _prov.read_events(self._state_dir()) if e["event"] == "preempted"}
             return killed <= recorded and not killed & set(self.alive_nodes())
 
         wait_for(done, timeout_s, "the trace and its preemptions to finish")
@@ -293,17 +314,26 @@ class SpotCloud:
         if scheduler is None:
             raise RuntimeError("SpotCloud is not started")
         t0 = time.monotonic()
-        self._record("trace_start", None, None,
-                     detail={"source": trace.source, "stretch": stretch,
-                             "time_scale": self.time_scale.to_record() if self.time_scale else None})
+        self._record(
+            "trace_start",
+            None,
+            None,
+            detail={
+                "source": trace.source,
+                "stretch": stretch,
+                "time_scale": self.time_scale.to_record() if self.time_scale else None,
+            },
+        )
         for e in trace.events:
             scheduler.call_at(t0 + e.time_s * stretch, functools.partial(self._apply, e, stretch))
-        scheduler.call_at(t0 + trace.duration_s * stretch,
-                          lambda: self._record("trace_end", None, None,
-                                               detail={"source": trace.source}))
+        scheduler.call_at(
+            t0 + trace.duration_s * stretch,
+            lambda: self._record("trace_end", None, None, detail={"source": trace.source}),
+        )
 
-    def set_capacity(self, node_type: str, count: Optional[int], *,
-                     preempt_excess_notice_s: Optional[float] = None) -> List[str]:
+    def set_capacity(
+        self, node_type: str, count: Optional[int], *, preempt_excess_notice_s: Optional[float] = None
+    ) -> List[str]:
         """Set the cap (None: unlimited). Like the trace's ``capacity`` event this limits
         new launches only, unless ``preempt_excess_notice_s`` is given: then the nodes
         above the new cap are preempted with that notice. Returns the preempted ids."""
@@ -319,8 +349,9 @@ class SpotCloud:
         excess = len(self._preemptible(node_type)) - count
         return self.preempt(node_type, excess, preempt_excess_notice_s) if excess > 0 else []
 
-    def preempt(self, node_type: str, count: int = 1, notice_s: float = 0.0, *,
-                node_ids: Optional[Sequence[str]] = None) -> List[str]:
+    def preempt(
+        self, node_type: str, count: int = 1, notice_s: float = 0.0, *, node_ids: Optional[Sequence[str]] = None
+    ) -> List[str]:
         """Preempt ``count`` alive nodes of ``node_type`` not already noticed (newest
         first), or exactly ``node_ids``: a drain with deadline now + ``notice_s`` and a
         SIGTERM at the deadline; ``notice_s=0``: SIGKILL now, no drain. Returns the ids
@@ -329,10 +360,9 @@ class SpotCloud:
         if not notice_s >= 0:
             raise ValueError(f"notice_s={notice_s!r} must be >= 0")
         if node_ids is None:
-            victims = sorted(self._preemptible(node_type), reverse=True)[:max(0, count)]
+            victims = sorted(self._preemptible(node_type), reverse=True)[: max(0, count)]
             if len(victims) < count:
-                self._record("preempt_short", node_type, None,
-                             detail={"asked": count, "preemptible": len(victims)})
+                self._record("preempt_short", node_type, None, detail={"asked": count, "preemptible": len(victims)})
         else:
             victims = list(node_ids)
         for node_id in victims:
@@ -342,9 +372,13 @@ class SpotCloud:
     # -- internals ----------------------------------------------------------------------
 
     def _apply(self, e: TraceEvent, stretch: float) -> None:
-        self._record("trace_event", e.node_type, None, notice_s=e.notice_s,
-                     detail={"kind": e.kind.value, "time_s": e.time_s, "count": e.count,
-                             "line": e.line})
+        self._record(
+            "trace_event",
+            e.node_type,
+            None,
+            notice_s=e.notice_s,
+            detail={"kind": e.kind.value, "time_s": e.time_s, "count": e.count, "line": e.line},
+        )
         if e.kind is TraceEventKind.CAPACITY:
             self.set_capacity(e.node_type, e.count)
         elif e.kind is TraceEventKind.ADD:
@@ -378,11 +412,18 @@ class SpotCloud:
         if notice_s > 0:
             with self._gcs_lock:
                 accepted, rejection = self._gcs.drain_node(
-                    node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                    node_id,
+                    autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
                     f"raylastic.sim: {node_type} preempted, {notice_s:g} s notice",
-                    int((time.time() + notice_s) * 1000))
-        self._record("notice", node_type, node_id, notice_s=notice_s,
-                     detail={"drained": accepted, "rejection": rejection or None})
+                    int((time.time() + notice_s) * 1000),
+                )
+        self._record(
+            "notice",
+            node_type,
+            node_id,
+            notice_s=notice_s,
+            detail={"drained": accepted, "rejection": rejection or None},
+        )
         graceful = notice_s > 0
         self._sched().call_at(deadline, lambda: self._order_kill(node_id, graceful))
 
@@ -393,13 +434,27 @@ class SpotCloud:
 
     def _write_control(self, shutdown: bool = False) -> None:
         with self._lock:
-            _prov.write_control(self._state_dir(), {"caps": self._caps, "noticed": self._noticed,
-                                                    "kill": self._kill, "shutdown": shutdown})
+            _prov.write_control(
+                self._state_dir(),
+                {"caps": self._caps, "noticed": self._noticed, "kill": self._kill, "shutdown": shutdown},
+            )
 
-    def _record(self, event: str, node_type: Optional[str], node_id: Optional[str],
-                notice_s: Optional[float] = None, detail: Any = None) -> None:
-        rec = {"ts": time.time(), "event": event, "node_type": node_type, "node_id": node_id,
-               "notice_s": notice_s, "detail": detail}
+    def _record(
+        self,
+        event: str,
+        node_type: Optional[str],
+        node_id: Optional[str],
+        notice_s: Optional[float] = None,
+        detail: Any = None,
+    ) -> None:
+        rec = {
+            "ts": time.time(),
+            "event": event,
+            "node_type": node_type,
+            "node_id": node_id,
+            "notice_s": notice_s,
+            "detail": detail,
+        }
         with self._lock:
             self._events.append(rec)
         logger.info("spot cloud: %s", rec)
@@ -436,8 +491,7 @@ class SpotCloud:
 
     def _check_type(self, name: str) -> None:
         if name not in self.node_types:
-            raise ValueError(f"unknown node type {name!r}; this SpotCloud defines "
-                             f"{sorted(self.node_types)}")
+            raise ValueError(f"unknown node type {name!r}; this SpotCloud defines {sorted(self.node_types)}")
 
 
 def _check_count(value: Any, what: str) -> int:

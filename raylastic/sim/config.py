@@ -45,13 +45,11 @@ class SimNodeType:
         for field_name, minimum in (("cpus", 1), ("max_nodes", 0)):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"SimNodeType {self.name!r}: {field_name}={value!r} must be "
-                                 f"an integer >= {minimum}")
+                raise ValueError(f"SimNodeType {self.name!r}: {field_name}={value!r} must be an integer >= {minimum}")
         for field_name in ("price_usd_per_hour", "launch_delay_s"):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"SimNodeType {self.name!r}: {field_name}={value!r} must be "
-                                 "a number >= 0")
+                raise ValueError(f"SimNodeType {self.name!r}: {field_name}={value!r} must be a number >= 0")
 
     @property
     def resource_key(self) -> str:
@@ -60,8 +58,7 @@ class SimNodeType:
     def autoscaler_entry(self) -> Dict[str, Any]:
         """This type's ``available_node_types`` entry."""
         return {
-            "resources": {"CPU": self.cpus, self.resource_key: 1,
-                          "object_store_memory": NODE_OBJECT_STORE_BYTES},
+            "resources": {"CPU": self.cpus, self.resource_key: 1, "object_store_memory": NODE_OBJECT_STORE_BYTES},
             "labels": {MARKET_LABEL: self.market.value, NODE_TYPE_LABEL: self.name},
             "node_config": {},
             "min_workers": 0,
@@ -74,18 +71,26 @@ DEFAULT_SIM_NODE_TYPES = (
     SimNodeType(name="on_demand", market=Market.ON_DEMAND, price_usd_per_hour=1.00),
 )
 
-_EMPTY_LISTS = ("initialization_commands", "setup_commands", "head_setup_commands",
-                "worker_setup_commands", "head_start_ray_commands", "worker_start_ray_commands",
-                "cluster_synced_files", "rsync_exclude", "rsync_filter")
+_EMPTY_LISTS = (
+    "initialization_commands",
+    "setup_commands",
+    "head_setup_commands",
+    "worker_setup_commands",
+    "head_start_ray_commands",
+    "worker_start_ray_commands",
+    "cluster_synced_files",
+    "rsync_exclude",
+    "rsync_filter",
+)
 
 
-def autoscaler_config(node_types: Sequence[SimNodeType], *, gcs_address: str, state_dir: Path,
-                      idle_timeout_s: float) -> Dict[str, Any]:
+def autoscaler_config(
+    node_types: Sequence[SimNodeType], *, gcs_address: str, state_dir: Path, idle_timeout_s: float
+) -> Dict[str, Any]:
     """A v1 autoscaler config (what ``ray up`` would read) using
     :class:`~raylastic.sim.provider.SpotSimProvider`. Node ids double as "IPs" and no
     updater runs, as in Ray's fake multi-node example config."""
-    types: Dict[str, Any] = {HEAD_NODE_TYPE: {"resources": {}, "node_config": {},
-                                              "max_workers": 0}}
+    types: Dict[str, Any] = {HEAD_NODE_TYPE: {"resources": {}, "node_config": {}, "max_workers": 0}}
     types.update({t.name: t.autoscaler_entry() for t in node_types})
     return {
         "cluster_name": "raylastic-spotcloud",
@@ -93,14 +98,21 @@ def autoscaler_config(node_types: Sequence[SimNodeType], *, gcs_address: str, st
         "upscaling_speed": 100.0,  # launch every requested node at once
         "idle_timeout_minutes": idle_timeout_s / 60.0,
         "provider": {
-            "type": "external", "module": _prov.PROVIDER_MODULE,
-            "gcs_address": gcs_address, "head_node_id": _prov.HEAD_NODE_ID,
-            "use_node_id_as_ip": True, "disable_node_updaters": True,
-            "disable_launch_config_check": True, "sim_dir": str(state_dir),
+            "type": "external",
+            "module": _prov.PROVIDER_MODULE,
+            "gcs_address": gcs_address,
+            "head_node_id": _prov.HEAD_NODE_ID,
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+            "sim_dir": str(state_dir),
             "launch_delay_s": {t.name: t.launch_delay_s for t in node_types},
         },
         "available_node_types": types,
         "head_node_type": HEAD_NODE_TYPE,
-        "auth": {}, "docker": {}, "file_mounts": {}, "file_mounts_sync_continuously": False,
+        "auth": {},
+        "docker": {},
+        "file_mounts": {},
+        "file_mounts_sync_continuously": False,
         **{k: [] for k in _EMPTY_LISTS},
     }

@@ -106,61 +106,66 @@ class SpotSimProvider(FakeMultiNodeProvider):
         self._stop = threading.Event()
         self._start_lock = threading.Lock()
         self._refresh_control()
-        self._poller = threading.Thread(target=self._poll_loop, name="spot-sim-control",
-                                        daemon=True)
+        self._poller = threading.Thread(target=self._poll_loop, name="spot-sim-control", daemon=True)
         self._poller.start()
 
     # -- the autoscaler's calls -------------------------------------------------------
 
-    def create_node_with_resources_and_labels(self, node_config, tags, count, resources,
-                                              labels):
+    def create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):
         node_type = tags[TAG_RAY_USER_NODE_TYPE]
         with self.lock:
             self._refresh_control()
             cap = self._caps().get(node_type)
-            active = sum(1 for nid, n in self._nodes.items()
-                         if n["tags"].get(TAG_RAY_USER_NODE_TYPE) == node_type
-                         and n["tags"].get(TAG_RAY_NODE_KIND) == NODE_KIND_WORKER
-                         and nid not in self._noticed())
+            active = sum(
+                1
+                for nid, n in self._nodes.items()
+                if n["tags"].get(TAG_RAY_USER_NODE_TYPE) == node_type
+                and n["tags"].get(TAG_RAY_NODE_KIND) == NODE_KIND_WORKER
+                and nid not in self._noticed()
+            )
             allowed = count if cap is None else max(0, min(count, cap - active))
             for _ in range(allowed):
                 self._launch(node_type, tags, resources, labels)
         refused = count - allowed
         if refused:
-            self._record("launch_refused", node_type, None,
-                         detail={"refused": refused, "capacity": cap,
-                                 "up_or_pending": active + allowed})
+            self._record(
+                "launch_refused",
+                node_type,
+                None,
+                detail={"refused": refused, "capacity": cap, "up_or_pending": active + allowed},
+            )
             raise NodeLaunchException(
                 "InsufficientCapacity",
                 f"simulated spot market: {node_type} capacity is {cap} and "
                 f"{active + allowed} node(s) are up or pending",
-                src_exc_info=None)
+                src_exc_info=None,
+            )
 
     def terminate_node(self, node_id):
         """The autoscaler scales a node down (idle, max_workers...)."""
         with self.lock:
             node = self._nodes.pop(node_id, None)
         if node is not None:
-            self._record("terminated", node["tags"].get(TAG_RAY_USER_NODE_TYPE), node_id,
-                         detail={"by": "autoscaler"})
+            self._record("terminated", node["tags"].get(TAG_RAY_USER_NODE_TYPE), node_id, detail={"by": "autoscaler"})
             self._stop_node(node, graceful=True)
 
     # -- launching ---------------------------------------------------------------------
 
     def _launch(self, node_type: str, tags, resources, labels) -> None:
         node_id = self._next_hex_node_id()
-        all_tags = {TAG_RAY_NODE_KIND: NODE_KIND_WORKER, TAG_RAY_USER_NODE_TYPE: node_type,
-                    TAG_RAY_NODE_NAME: node_id}
+        all_tags = {TAG_RAY_NODE_KIND: NODE_KIND_WORKER, TAG_RAY_USER_NODE_TYPE: node_type, TAG_RAY_NODE_NAME: node_id}
         all_tags.update(tags)
         all_tags[TAG_RAY_NODE_STATUS] = STATUS_UNINITIALIZED
         # Ray's FakeMultiNodeProvider._nodes is inferred from its head entry (tags only)
         self._nodes[node_id] = {"tags": all_tags, "node": None}  # type: ignore[dict-item]
         delay = self._delays.get(node_type, 0.0)
         self._record("launch", node_type, node_id, detail={"launch_delay_s": delay})
-        threading.Thread(target=self._start_after, name=f"spot-sim-launch-{node_id[-5:]}",
-                         args=(node_id, node_type, delay, copy.deepcopy(resources),
-                               dict(labels or {})),
-                         daemon=True).start()
+        threading.Thread(
+            target=self._start_after,
+            name=f"spot-sim-launch-{node_id[-5:]}",
+            args=(node_id, node_type, delay, copy.deepcopy(resources), dict(labels or {})),
+            daemon=True,
+        ).start()
 
     def _start_after(self, node_id, node_type, delay, resources, labels) -> None:
         if self._stop.wait(delay):
@@ -195,11 +200,18 @@ class SpotSimProvider(FakeMultiNodeProvider):
         """One worker raylet, as the parent class starts it, under our node id."""
         gcs = self._gcs_address
         ray_params = ray._private.parameter.RayParams(
-            min_worker_port=0, max_worker_port=0, dashboard_port=None,
-            dashboard_agent_listen_port=0, include_log_monitor=False,
-            num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0),
+            min_worker_port=0,
+            max_worker_port=0,
+            dashboard_port=None,
+            dashboard_agent_listen_port=0,
+            include_log_monitor=False,
+            num_cpus=resources.pop("CPU", 0),
+            num_gpus=resources.pop("GPU", 0),
             object_store_memory=resources.pop("object_store_memory", None),
-            resources=resources, labels=labels, redis_address=gcs, gcs_address=gcs,
+            resources=resources,
+            labels=labels,
+            redis_address=gcs,
+            gcs_address=gcs,
             env_vars={
                 "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id,
                 "RAY_CLOUD_INSTANCE_ID": node_id,
@@ -208,8 +220,7 @@ class SpotSimProvider(FakeMultiNodeProvider):
                 ray_constants.LABELS_ENVIRONMENT_VARIABLE: json.dumps(labels),
             },
         )
-        return ray._private.node.Node(ray_params, head=False, shutdown_at_exit=False,
-                                      spawn_reaper=False)
+        return ray._private.node.Node(ray_params, head=False, shutdown_at_exit=False, spawn_reaper=False)
 
     @staticmethod
     def _stop_node(entry, graceful: bool) -> None:
@@ -235,8 +246,7 @@ class SpotSimProvider(FakeMultiNodeProvider):
             try:
                 with self.lock:
                     self._refresh_control()
-                    to_kill = [(n, g) for n, g in self._control.get("kill", ())
-                               if n not in self._killed]
+                    to_kill = [(n, g) for n, g in self._control.get("kill", ()) if n not in self._killed]
                     shutdown = bool(self._control.get("shutdown"))
                 for node_id, graceful in to_kill:
                     self._kill(node_id, graceful)
@@ -256,8 +266,12 @@ class SpotSimProvider(FakeMultiNodeProvider):
         if entry is None:  # already terminated by the autoscaler: record the order anyway
             self._record("preempted", None, node_id, detail={"signal": None})
             return
-        self._record("preempted", entry["tags"].get(TAG_RAY_USER_NODE_TYPE), node_id,
-                     detail={"signal": "SIGTERM" if graceful else "SIGKILL"})
+        self._record(
+            "preempted",
+            entry["tags"].get(TAG_RAY_USER_NODE_TYPE),
+            node_id,
+            detail={"signal": "SIGTERM" if graceful else "SIGKILL"},
+        )
         self._stop_node(entry, graceful=graceful)
 
     def _shutdown_all(self) -> None:
@@ -267,8 +281,9 @@ class SpotSimProvider(FakeMultiNodeProvider):
         started = self._start_lock.acquire(timeout=5)
         try:
             with self.lock:
-                entries = [(nid, e) for nid, e in self._nodes.items()
-                           if e["tags"].get(TAG_RAY_NODE_KIND) == NODE_KIND_WORKER]
+                entries = [
+                    (nid, e) for nid, e in self._nodes.items() if e["tags"].get(TAG_RAY_NODE_KIND) == NODE_KIND_WORKER
+                ]
                 for nid, _ in entries:
                     self._nodes.pop(nid)
         finally:
@@ -276,13 +291,17 @@ class SpotSimProvider(FakeMultiNodeProvider):
                 self._start_lock.release()
         for _, entry in entries:
             self._stop_node(entry, graceful=False)
-        self._record("provider_shutdown", None, None,
-                     detail=f"killed {len(entries)} worker node(s)")
+        self._record("provider_shutdown", None, None, detail=f"killed {len(entries)} worker node(s)")
 
-    def _record(self, event: str, node_type: Optional[str], node_id: Optional[str],
-                detail: Any = None) -> None:
-        rec = {"ts": time.time(), "event": event, "node_type": node_type, "node_id": node_id,
-               "notice_s": None, "detail": detail}
+    def _record(self, event: str, node_type: Optional[str], node_id: Optional[str], detail: Any = None) -> None:
+        rec = {
+            "ts": time.time(),
+            "event": event,
+            "node_type": node_type,
+            "node_id": node_id,
+            "notice_s": None,
+            "detail": detail,
+        }
         with self._events_lock:
             self._events.write(json.dumps(rec) + "\n")
             self._events.flush()

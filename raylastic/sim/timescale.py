@@ -44,8 +44,7 @@ class RealWorld:
     boot_s: float = 90.0
     idle_timeout_s: float = 3.0
     autoscaler_interval_s: float = 2.0
-    notice_s: Mapping[str, float] = field(default_factory=lambda: {"aws": 120.0, "azure": 30.0,
-                                                                    "gcp": 30.0})
+    notice_s: Mapping[str, float] = field(default_factory=lambda: {"aws": 120.0, "azure": 30.0, "gcp": 30.0})
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,9 @@ class TimeScale:
     def __post_init__(self) -> None:
         v = self.real_s_per_sim_s
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"time_scale={v!r} must be a finite number > 0 (real seconds per "
-                             "benchmark second, e.g. 10)")
+            raise ValueError(
+                f"time_scale={v!r} must be a finite number > 0 (real seconds per benchmark second, e.g. 10)"
+            )
 
     def sim(self, real_s: float) -> float:
         """Benchmark seconds that stand for ``real_s`` real seconds."""
@@ -87,11 +87,17 @@ class TimeScale:
         w = self.world
         return {
             "real_s_per_sim_s": self.real_s_per_sim_s,
-            "boot": {"real_s": w.boot_s, "sim_s": round(self.sim(w.boot_s), 3),
-                     "sim_launch_delay_s": round(self.launch_delay_s, 3),
-                     "sim_raylet_start_s": RAYLET_START_S},
-            "idle_timeout": {"real_s": w.idle_timeout_s, "sim_s": round(self.idle_timeout_s, 3),
-                             "real_autoscaler_interval_s": w.autoscaler_interval_s,
-                             "sim_autoscaler_interval_s": AUTOSCALER_LOOP_FLOOR_S},
+            "boot": {
+                "real_s": w.boot_s,
+                "sim_s": round(self.sim(w.boot_s), 3),
+                "sim_launch_delay_s": round(self.launch_delay_s, 3),
+                "sim_raylet_start_s": RAYLET_START_S,
+            },
+            "idle_timeout": {
+                "real_s": w.idle_timeout_s,
+                "sim_s": round(self.idle_timeout_s, 3),
+                "real_autoscaler_interval_s": w.autoscaler_interval_s,
+                "sim_autoscaler_interval_s": AUTOSCALER_LOOP_FLOOR_S,
+            },
             "notice": {c: {"real_s": s, "sim_s": round(self.sim(s), 3)} for c, s in w.notice_s.items()},
         }

@@ -96,8 +96,8 @@ class Trace:
         for e in self.events:
             if e.node_type not in known:
                 raise TraceFormatError(
-                    self.source, e.line,
-                    f"unknown node type {e.node_type!r}; the run defines {sorted(known)}")
+                    self.source, e.line, f"unknown node type {e.node_type!r}; the run defines {sorted(known)}"
+                )
 
     def due(self, after_s: float, upto_s: float) -> Tuple[TraceEvent, ...]:
         """Events with ``after_s < time_s <= upto_s`` (use ``after_s=-inf`` for the first
@@ -132,14 +132,16 @@ def parse_trace(text: str, source: str = "<trace>") -> Trace:
         fields = [f.strip() for f in next(csv.reader([line]))]
         if not header_seen:
             if tuple(fields) != HEADER:
-                raise TraceFormatError(source, lineno, f"expected the header {','.join(HEADER)!r}, "
-                                       f"got {line!r}")
+                raise TraceFormatError(source, lineno, f"expected the header {','.join(HEADER)!r}, got {line!r}")
             header_seen = True
             continue
         event = _parse_row(fields, source, lineno)
         if event.time_s < last_time:
-            raise TraceFormatError(source, lineno, f"time_s {event.time_s:g} is before the "
-                                   f"previous row's {last_time:g}; keep rows in time order")
+            raise TraceFormatError(
+                source,
+                lineno,
+                f"time_s {event.time_s:g} is before the previous row's {last_time:g}; keep rows in time order",
+            )
         last_time = event.time_s
         events.append(event)
     if not header_seen:
@@ -152,8 +154,10 @@ def _parse_row(fields, source: str, lineno: int) -> TraceEvent:
         return TraceFormatError(source, lineno, msg)
 
     if len(fields) != len(HEADER):
-        raise bad(f"expected {len(HEADER)} fields ({','.join(HEADER)}), got {len(fields)}; "
-                  "leave notice_s empty but keep its comma")
+        raise bad(
+            f"expected {len(HEADER)} fields ({','.join(HEADER)}), got {len(fields)}; "
+            "leave notice_s empty but keep its comma"
+        )
     time_f, kind_f, node_type, count_f, notice_f = fields
     try:
         time_s = float(time_f)
@@ -164,8 +168,7 @@ def _parse_row(fields, source: str, lineno: int) -> TraceEvent:
     try:
         kind = TraceEventKind(kind_f)
     except ValueError:
-        raise bad(f"unknown event {kind_f!r}; use one of "
-                  f"{[k.value for k in TraceEventKind]}") from None
+        raise bad(f"unknown event {kind_f!r}; use one of {[k.value for k in TraceEventKind]}") from None
     try:
         validate_node_type_name(node_type, "node_type")
     except ValueError as e:
@@ -185,14 +188,12 @@ def _parse_row(fields, source: str, lineno: int) -> TraceEvent:
         try:
             notice_s = float(notice_f)
         except ValueError:
-            raise bad(f"preempt needs notice_s (seconds >= 0, 0 = no notice), got "
-                      f"{notice_f!r}") from None
+            raise bad(f"preempt needs notice_s (seconds >= 0, 0 = no notice), got {notice_f!r}") from None
         if not math.isfinite(notice_s) or notice_s < 0:
             raise bad(f"notice_s {notice_f!r} must be a finite number >= 0")
     elif notice_f:
         raise bad(f"notice_s applies to preempt only; leave it empty for {kind.value}")
-    return TraceEvent(time_s=time_s, kind=kind, node_type=node_type, count=count,
-                      notice_s=notice_s, line=lineno)
+    return TraceEvent(time_s=time_s, kind=kind, node_type=node_type, count=count, notice_s=notice_s, line=lineno)
 
 
 def load_trace(path: Union[str, Path]) -> Trace:
@@ -203,17 +204,20 @@ def load_trace(path: Union[str, Path]) -> Trace:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise TraceFormatError(str(path), line, f"not UTF-8 text (byte {e.start} is "
-                               f"{data[e.start:e.start + 1]!r})") from None
+        line = data[: e.start].count(b"\n") + 1
+        raise TraceFormatError(
+            str(path), line, f"not UTF-8 text (byte {e.start} is {data[e.start : e.start + 1]!r})"
+        ) from None
     return parse_trace(text, source=str(path))
 
 
 def shipped_trace(name: str) -> Trace:
     """One of :data:`SHIPPED_TRACES` (``calm``, ``busy``, ``drought``)."""
     if name not in SHIPPED_TRACES:
-        raise ValueError(f"no shipped trace {name!r}; choose one of {list(SHIPPED_TRACES)} "
-                         "or load your own file with load_trace(path)")
+        raise ValueError(
+            f"no shipped trace {name!r}; choose one of {list(SHIPPED_TRACES)} "
+            "or load your own file with load_trace(path)"
+        )
     ref = resources.files("raylastic.sim").joinpath("traces", f"{name}.csv")
     return parse_trace(ref.read_text(encoding="utf-8"), source=f"raylastic/sim/traces/{name}.csv")
 

@@ -90,8 +90,14 @@ class ServerProcess:
     def _spawn(self, cmd: List[str]) -> None:
         """Start ``cmd`` in its own process group, output appended to ``log_path``."""
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(cmd, cwd=self._workdir, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd,
+                cwd=self._workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self._procs[0] = self._proc
 
     def _log_size(self) -> int:
@@ -123,10 +129,15 @@ class ServerProcess:
                 time.sleep(self.probe_interval_s)
         rc = proc.poll()
         self.stop()
-        why = f"exited with code {rc}" if rc is not None else (
-            f"not writable after {self.startup_timeout_s:.0f}s (last error: {last})")
-        raise RuntimeError(f"{self.server_name} {why}; {self._where()}; log tail:\n{self._log_tail()}\n"
-                           "raise startup_timeout_s on a loaded machine")
+        why = (
+            f"exited with code {rc}"
+            if rc is not None
+            else (f"not writable after {self.startup_timeout_s:.0f}s (last error: {last})")
+        )
+        raise RuntimeError(
+            f"{self.server_name} {why}; {self._where()}; log tail:\n{self._log_tail()}\n"
+            "raise startup_timeout_s on a loaded machine"
+        )
 
     def _log_tail(self, n: int = 3000, since: int = 0) -> str:
         try:

@@ -109,11 +109,23 @@ class Azurite(ServerProcess):
     def _start_once(self) -> None:
         cmd = [
             self.executable,
-            "--inMemoryPersistence", "--disableTelemetry", "--skipApiVersionCheck", "--loose",
+            "--inMemoryPersistence",
+            "--disableTelemetry",
+            "--skipApiVersionCheck",
+            "--loose",
             "--silent",
-            "--blobHost", self.host, "--blobPort", str(self.blob_port),
-            "--tableHost", self.host, "--tablePort", str(self.table_port),
-            "--queueHost", self.host, "--queuePort", str(self.queue_port),
+            "--blobHost",
+            self.host,
+            "--blobPort",
+            str(self.blob_port),
+            "--tableHost",
+            self.host,
+            "--tablePort",
+            str(self.table_port),
+            "--queueHost",
+            self.host,
+            "--queuePort",
+            str(self.queue_port),
         ]
         self._spawn(cmd)  # own process group: stop() kills node and its children
         self._wait_ready()

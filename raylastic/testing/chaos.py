@@ -48,8 +48,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
-__all__ = ["FaultKind", "Fault", "ChaosSchedule", "ChaosInjector", "GroupView", "NODE_LOSS_KINDS",
-           "raylastic_upload_probe"]
+__all__ = [
+    "FaultKind",
+    "Fault",
+    "ChaosSchedule",
+    "ChaosInjector",
+    "GroupView",
+    "NODE_LOSS_KINDS",
+    "raylastic_upload_probe",
+]
 
 
 class FaultKind(str, enum.Enum):
@@ -63,8 +70,12 @@ class FaultKind(str, enum.Enum):
 
     @property
     def nodes_removed(self) -> int:
-        return {FaultKind.KILL_NODE: 1, FaultKind.DRAIN_NODE: 1, FaultKind.KILL_DURING_UPLOAD: 1,
-                FaultKind.KILL_TWO_NODES: 2}.get(self, 0)
+        return {
+            FaultKind.KILL_NODE: 1,
+            FaultKind.DRAIN_NODE: 1,
+            FaultKind.KILL_DURING_UPLOAD: 1,
+            FaultKind.KILL_TWO_NODES: 2,
+        }.get(self, 0)
 
 
 NODE_LOSS_KINDS = tuple(k for k in FaultKind if k.nodes_removed)
@@ -98,10 +109,19 @@ class ChaosSchedule:
     min_nodes: int = 1
 
     @classmethod
-    def from_seed(cls, seed: int, num_faults: int, interval_s: Tuple[float, float] = (20.0, 30.0), *,
-                  nodes: int = 3, min_nodes: int = 1, first_at_s: Optional[float] = None,
-                  kinds: Sequence[FaultKind] = tuple(FaultKind),
-                  drain_deadline_s: Tuple[float, float] = (2.0, 10.0), outage_s: float = 10.0) -> "ChaosSchedule":
+    def from_seed(
+        cls,
+        seed: int,
+        num_faults: int,
+        interval_s: Tuple[float, float] = (20.0, 30.0),
+        *,
+        nodes: int = 3,
+        min_nodes: int = 1,
+        first_at_s: Optional[float] = None,
+        kinds: Sequence[FaultKind] = tuple(FaultKind),
+        drain_deadline_s: Tuple[float, float] = (2.0, 10.0),
+        outage_s: float = 10.0,
+    ) -> "ChaosSchedule":
         """``num_faults`` faults, one every ``interval_s`` (uniform), kinds cycling through
         shuffled bags of ``kinds`` so every kind appears before any repeats, skipping a kind
         the node count does not allow at that point (``add_node`` is drawn when no other
@@ -139,16 +159,31 @@ class ChaosSchedule:
                 if kind in bag:
                     bag.remove(kind)
             up += -kind.nodes_removed if kind is not FaultKind.ADD_NODE else 1
-            out.append(Fault(at_s=round(t, 2), kind=kind, pick=rng.randrange(1 << 16),
-                             deadline_s=round(rng.uniform(*drain_deadline_s), 2) if kind is FaultKind.DRAIN_NODE else None,
-                             outage_s=outage_s if kind is FaultKind.STOP_STORAGE else None))
+            out.append(
+                Fault(
+                    at_s=round(t, 2),
+                    kind=kind,
+                    pick=rng.randrange(1 << 16),
+                    deadline_s=round(rng.uniform(*drain_deadline_s), 2) if kind is FaultKind.DRAIN_NODE else None,
+                    outage_s=outage_s if kind is FaultKind.STOP_STORAGE else None,
+                )
+            )
             t += rng.uniform(lo, hi)
         return cls(seed=seed, faults=tuple(out), nodes=nodes, min_nodes=min_nodes)
 
     @classmethod
-    def from_kinds(cls, seed: int, kinds: Sequence[FaultKind], interval_s: Tuple[float, float] = (20.0, 30.0), *,
-                   nodes: int = 3, min_nodes: int = 1, first_at_s: Optional[float] = None,
-                   drain_deadline_s: Tuple[float, float] = (2.0, 10.0), outage_s: float = 10.0) -> "ChaosSchedule":
+    def from_kinds(
+        cls,
+        seed: int,
+        kinds: Sequence[FaultKind],
+        interval_s: Tuple[float, float] = (20.0, 30.0),
+        *,
+        nodes: int = 3,
+        min_nodes: int = 1,
+        first_at_s: Optional[float] = None,
+        drain_deadline_s: Tuple[float, float] = (2.0, 10.0),
+        outage_s: float = 10.0,
+    ) -> "ChaosSchedule":
         """These faults in this order (times, deadlines and victims drawn from ``seed``);
         raises if the order would remove a node below ``min_nodes`` or add one above ``nodes``."""
         lo, hi = interval_s
@@ -160,19 +195,33 @@ class ChaosSchedule:
             up += 1 if kind is FaultKind.ADD_NODE else -kind.nodes_removed
             if not (min_nodes <= up <= nodes):
                 raise ValueError(f"fault {i} ({kind.value}) leaves {up} node(s); allowed: {min_nodes}..{nodes}")
-            out.append(Fault(at_s=round(t, 2), kind=kind, pick=rng.randrange(1 << 16),
-                             deadline_s=round(rng.uniform(*drain_deadline_s), 2) if kind is FaultKind.DRAIN_NODE else None,
-                             outage_s=outage_s if kind is FaultKind.STOP_STORAGE else None))
+            out.append(
+                Fault(
+                    at_s=round(t, 2),
+                    kind=kind,
+                    pick=rng.randrange(1 << 16),
+                    deadline_s=round(rng.uniform(*drain_deadline_s), 2) if kind is FaultKind.DRAIN_NODE else None,
+                    outage_s=outage_s if kind is FaultKind.STOP_STORAGE else None,
+                )
+            )
             t += rng.uniform(lo, hi)
         return cls(seed=seed, faults=tuple(out), nodes=nodes, min_nodes=min_nodes)
 
     def describe(self) -> str:
-        return "\n".join(f"{f.at_s:7.1f} s  {f.kind.value}" + (f" (deadline {f.deadline_s} s)" if f.deadline_s else "")
-                         + (f" ({f.outage_s:g} s)" if f.outage_s else "") for f in self.faults)
+        return "\n".join(
+            f"{f.at_s:7.1f} s  {f.kind.value}"
+            + (f" (deadline {f.deadline_s} s)" if f.deadline_s else "")
+            + (f" ({f.outage_s:g} s)" if f.outage_s else "")
+            for f in self.faults
+        )
 
     def to_json(self) -> Dict[str, Any]:
-        return {"seed": self.seed, "nodes": self.nodes, "min_nodes": self.min_nodes,
-                "faults": [f.to_json() for f in self.faults]}
+        return {
+            "seed": self.seed,
+            "nodes": self.nodes,
+            "min_nodes": self.min_nodes,
+            "faults": [f.to_json() for f in self.faults],
+        }
 
 
 def _fits(kind: FaultKind, up: int, nodes: int, min_nodes: int, remaining: int) -> bool:
@@ -280,9 +329,15 @@ class Applied:
     note: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
-        out = {"fault": self.fault.to_json(), "started_at_s": round(self.started_at_s, 2),
-               "done_at_s": round(self.done_at_s, 2), "world": self.world, "nodes": self.nodes,
-               "pids": self.pids, "at_step": self.at_step}
+        out = {
+            "fault": self.fault.to_json(),
+            "started_at_s": round(self.started_at_s, 2),
+            "done_at_s": round(self.done_at_s, 2),
+            "world": self.world,
+            "nodes": self.nodes,
+            "pids": self.pids,
+            "at_step": self.at_step,
+        }
         if self.skipped:
             out["skipped"] = self.skipped
         if self.note:
@@ -305,11 +360,20 @@ class ChaosInjector:
     :class:`raylastic.testing.faults.FitThread`.
     """
 
-    def __init__(self, cluster, schedule: ChaosSchedule, *, log_dir: str, storage=None,
-                 checkpoint_every: Optional[int] = None, group_timeout_s: float = 120.0,
-                 strict: bool = True, on_fault: Optional[Callable[[Applied], None]] = None,
-                 alive: Callable[[], bool] = lambda: True,
-                 upload_probe: Optional[Callable[[int], bool]] = None):
+    def __init__(
+        self,
+        cluster,
+        schedule: ChaosSchedule,
+        *,
+        log_dir: str,
+        storage=None,
+        checkpoint_every: Optional[int] = None,
+        group_timeout_s: float = 120.0,
+        strict: bool = True,
+        on_fault: Optional[Callable[[Applied], None]] = None,
+        alive: Callable[[], bool] = lambda: True,
+        upload_probe: Optional[Callable[[int], bool]] = None,
+    ):
         needs = {f.kind for f in schedule.faults}
         if FaultKind.STOP_STORAGE in needs and storage is None:
             raise ValueError("schedule has stop_storage faults: pass storage=<server with stop()/start()>")
@@ -327,8 +391,12 @@ class ChaosInjector:
         """Until the run's first group has completed a step (call before :meth:`run`)."""
         from raylastic.testing.cluster import wait_until
 
-        wait_until(lambda: self.view.training_group() is not None, timeout_s, interval_s=0.1,
-                   what=f"the first training step in {self.view.log_dir}")
+        wait_until(
+            lambda: self.view.training_group() is not None,
+            timeout_s,
+            interval_s=0.1,
+            what=f"the first training step in {self.view.log_dir}",
+        )
 
     def run(self, t0: Optional[float] = None) -> List[Applied]:
         """Apply every fault at its time after ``t0`` (default: now); a fault whose time
@@ -371,8 +439,12 @@ class ChaosInjector:
             live = {n.node_id for n in self.cluster.worker_nodes}
             return g if g and all(m["node_id"] in live for m in g) else None
 
-        return wait_until(ready, self.group_timeout_s, interval_s=0.1,
-                          what=f"a training group of >= {min_world} worker(s) in {self.view.log_dir}")
+        return wait_until(
+            ready,
+            self.group_timeout_s,
+            interval_s=0.1,
+            what=f"a training group of >= {min_world} worker(s) in {self.view.log_dir}",
+        )
 
     def _pids_on(self, node_ids: Sequence[str]) -> List[int]:
         """Worker pids of the current group on those nodes (after a drain the group moved)."""
@@ -415,12 +487,20 @@ class ChaosInjector:
             target = (self.view.last_step() // every + 1) * every
             from raylastic.testing.cluster import wait_until
 
-            rec.at_step = wait_until(lambda: self.view.last_step() >= target and self.view.last_step(),
-                                     self.group_timeout_s, interval_s=0.01, what=f"step {target}")
+            rec.at_step = wait_until(
+                lambda: self.view.last_step() >= target and self.view.last_step(),
+                self.group_timeout_s,
+                interval_s=0.01,
+                what=f"step {target}",
+            )
             if self.upload_probe is not None:
                 try:
-                    wait_until(lambda: self.upload_probe(target), 10.0, interval_s=0.005,
-                               what=f"the upload of checkpoint {target}")
+                    wait_until(
+                        lambda: self.upload_probe(target),
+                        10.0,
+                        interval_s=0.005,
+                        what=f"the upload of checkpoint {target}",
+                    )
                     rec.note = f"killed while checkpoint {target} was staged for upload"
                 except TimeoutError:
                     rec.note = f"checkpoint {target}'s upload was not seen in flight"
@@ -442,8 +522,11 @@ class ChaosInjector:
 
             deadline = time.time() + float(fault.deadline_s or 5.0)
             GcsClient(address=self.cluster.address).drain_node(
-                rec.nodes[0], autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                "chaos: spot termination notice", int(deadline * 1000))
+                rec.nodes[0],
+                autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                "chaos: spot termination notice",
+                int(deadline * 1000),
+            )
             self._sleep(max(0.0, deadline - time.time()))  # the cloud keeps its word
             self._remove(rec.nodes, self._pids_on(rec.nodes))
         else:

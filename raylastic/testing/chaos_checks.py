@@ -59,8 +59,18 @@ def effective_rows(log_dir: str, n: int, seed: int, global_batch: int) -> List[D
         world, epoch, step = have[0]["world"], have[0]["epoch"], have[0]["step"]
         for missing in sorted(set(range(world)) - {r["rank"] for r in have}):
             batch = global_batch_indices(n, seed, epoch, step, global_batch, True)
-            eff.append({"group": group, "rank": missing, "world": world, "index": index, "epoch": epoch,
-                        "step": step, "indices": list(shard_for_rank(batch, missing, world)), "filled_in": True})
+            eff.append(
+                {
+                    "group": group,
+                    "rank": missing,
+                    "world": world,
+                    "index": index,
+                    "epoch": epoch,
+                    "step": step,
+                    "indices": list(shard_for_rank(batch, missing, world)),
+                    "filled_in": True,
+                }
+            )
     return eff
 
 
@@ -118,16 +128,21 @@ def partial_checkpoint_loads(events: List[Dict[str, Any]]) -> List[str]:
             committed.add((e.get("index"), name(e)))
         elif kind == "checkpoint_restored" and e.get("source") == "storage":
             if (e.get("index"), name(e)) not in committed:
-                problems.append(f"restored checkpoint index {e.get('index')} ({e.get('path')}) "
-                                "that was never committed")
+                problems.append(
+                    f"restored checkpoint index {e.get('index')} ({e.get('path')}) that was never committed"
+                )
         elif kind == "checkpoint_invalid" and e.get("source") != "memory":
             problems.append(f"committed checkpoint found damaged: {e.get('path')} ({e.get('problem')})")
     return problems
 
 
-def goodput_from_steps(steps: List[Dict[str, Any]], t_start: float, t_end: float,
-                       group_start: Optional[Dict[str, float]] = None,
-                       max_step_s: Optional[float] = None) -> Dict[str, Any]:
+def goodput_from_steps(
+    steps: List[Dict[str, Any]],
+    t_start: float,
+    t_end: float,
+    group_start: Optional[Dict[str, float]] = None,
+    max_step_s: Optional[float] = None,
+) -> Dict[str, Any]:
     """docs/report.md's goodput on a step log (rows ``t``, ``step``, ``group``, ``world``):
     productive time = the step times of steps not trained again later (a step is trained
     again iff a later row has a step index <= it); a step's time is the time since the
@@ -139,8 +154,14 @@ def goodput_from_steps(steps: List[Dict[str, Any]], t_start: float, t_end: float
     checkpoint upload waiting out a storage outage) as productive; with a cap, the time a
     kept step took beyond ``max_step_s`` is ``stalled_s``, badput."""
     if not steps or t_end <= t_start:
-        return {"goodput": None, "productive_s": 0.0, "wall_s": max(0.0, t_end - t_start),
-                "kept": 0, "reported": len(steps), "retrained": 0}
+        return {
+            "goodput": None,
+            "productive_s": 0.0,
+            "wall_s": max(0.0, t_end - t_start),
+            "kept": 0,
+            "reported": len(steps),
+            "retrained": 0,
+        }
     steps = sorted(steps, key=lambda r: r["t"])
     gaps: Dict[str, List[float]] = {}
     prev: Dict[str, float] = {}
@@ -171,8 +192,14 @@ def goodput_from_steps(steps: List[Dict[str, Any]], t_start: float, t_end: float
             stalled += over
         later_min = min(later_min, steps[i]["step"])
     wall = t_end - t_start
-    out = {"goodput": productive / wall, "productive_s": round(productive, 3), "wall_s": round(wall, 3),
-           "kept": kept, "reported": len(steps), "retrained": len(steps) - kept}
+    out = {
+        "goodput": productive / wall,
+        "productive_s": round(productive, 3),
+        "wall_s": round(wall, 3),
+        "kept": kept,
+        "reported": len(steps),
+        "retrained": len(steps) - kept,
+    }
     if max_step_s is not None:
         out.update(max_step_s=round(max_step_s, 3), stalled_s=round(stalled, 3))
     return out

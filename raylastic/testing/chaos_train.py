@@ -73,8 +73,9 @@ def make_data(n: int, config: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tenso
 def make_model(config: Dict[str, Any]) -> nn.Module:
     torch.manual_seed(int(config.get("seed", 0)))
     hidden = int(config.get("hidden", 64))
-    model = nn.Sequential(nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
-                          nn.Linear(hidden, 1)).to(_dtype(config))
+    model = nn.Sequential(
+        nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1)
+    ).to(_dtype(config))
     mb = float(config.get("ballast_mb", 0))
     if mb > 0:  # constant: checkpoint bytes, no compute
         # a frozen parameter, not a buffer: DDP broadcasts it once at construction only
@@ -98,9 +99,17 @@ def _append(path: str, row: Dict[str, Any]) -> None:
 def _log_member(log_dir: str, group: str, rank: int, world: int) -> None:
     import ray
 
-    _append(os.path.join(log_dir, "members.jsonl"),
-            {"t": time.time(), "group": group, "rank": rank, "world": world,
-             "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()})
+    _append(
+        os.path.join(log_dir, "members.jsonl"),
+        {
+            "t": time.time(),
+            "group": group,
+            "rank": rank,
+            "world": world,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+        },
+    )
 
 
 def _simulated_compute(config: Dict[str, Any], local_samples: int) -> None:
@@ -129,9 +138,13 @@ def chaos_elastic(config: Dict[str, Any]) -> None:
     x, y = make_data(n, config)
     model = make_model(config)
     opt = torch.optim.SGD(model.parameters(), lr=float(config.get("lr", 0.05)), momentum=0.9)
-    loader = ElasticDataLoader(torch.utils.data.TensorDataset(x, y),
-                               global_batch_size=int(config.get("global_batch", 48)),
-                               micro_batch_size=int(config.get("micro_batch", 8)), shuffle=True, seed=seed)
+    loader = ElasticDataLoader(
+        torch.utils.data.TensorDataset(x, y),
+        global_batch_size=int(config.get("global_batch", 48)),
+        micro_batch_size=int(config.get("micro_batch", 8)),
+        shuffle=True,
+        seed=seed,
+    )
     # stop_epoch is state too: a group restored after the stop was seen finishes that epoch.
     state = raylastic.ElasticState(model=model, optimizer=opt, loader=loader, step=0, stop_epoch=-1)
     ctx = raylastic.get_context()
@@ -148,17 +161,30 @@ def chaos_elastic(config: Dict[str, Any]) -> None:
             for (xb, yb), weight in batch.accumulate(ddp):
                 (nn.functional.binary_cross_entropy_with_logits(ddp(xb), yb) * weight).backward()
             opt.step()
-            idx.write(json.dumps({"group": group, "rank": rank, "world": world, "index": state.step + 1,
-                                  "epoch": batch.epoch, "step": batch.step,
-                                  "indices": list(map(int, batch.indices))}) + "\n")
+            idx.write(
+                json.dumps(
+                    {
+                        "group": group,
+                        "rank": rank,
+                        "world": world,
+                        "index": state.step + 1,
+                        "epoch": batch.epoch,
+                        "step": batch.step,
+                        "indices": list(map(int, batch.indices)),
+                    }
+                )
+                + "\n"
+            )
             idx.flush()
             _simulated_compute(config, len(batch.indices))
             if state.stop_epoch < 0 and _stop_requested(config.get("stop_path"), world):
                 state.stop_epoch = max(batch.epoch, int(config.get("min_epochs", 1)) - 1)
             state.step += 1
             if rank == 0:
-                _append(os.path.join(log_dir, "steps.jsonl"),
-                        {"t": time.time(), "step": state.step, "group": group, "world": world})
+                _append(
+                    os.path.join(log_dir, "steps.jsonl"),
+                    {"t": time.time(), "step": state.step, "group": group, "world": world},
+                )
             state.commit({"step": state.step, "epoch": batch.epoch, "world_size": world})
     idx.close()
     if rank == 0 and config.get("weights_out"):
@@ -209,14 +235,17 @@ def chaos_ray_train(config: Dict[str, Any]) -> None:
         _simulated_compute(config, len(shard))
         stop = _stop_requested(config.get("stop_path"), world)
         if rank == 0:
-            _append(os.path.join(log_dir, "steps.jsonl"),
-                    {"t": time.time(), "step": step, "group": group, "world": world})
+            _append(
+                os.path.join(log_dir, "steps.jsonl"), {"t": time.time(), "step": step, "group": group, "world": world}
+            )
         metrics = {"step": step, "world_size": world}
         if step % every == 0:
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
-                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
-                               os.path.join(d, "state.pt"))
+                    torch.save(
+                        {"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
+                        os.path.join(d, "state.pt"),
+                    )
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
         else:
             ray.train.report(metrics)

@@ -67,8 +67,7 @@ def load_checkpoint(ckpt) -> Dict[str, Any]:
     with fs.open_input_stream(f"{base}/{META}") as fh:
         meta = json.loads(fh.read())
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=False))
-    shards = {i.base_name: i.size for i in infos
-              if i.type == pafs.FileType.File and i.base_name.startswith("shard-")}
+    shards = {i.base_name: i.size for i in infos if i.type == pafs.FileType.File and i.base_name.startswith("shard-")}
     problems: List[str] = []
     for r in range(int(meta["world_size"])):
         name = shard_name(r)
@@ -78,8 +77,7 @@ def load_checkpoint(ckpt) -> Dict[str, Any]:
         hdr = check_shard(fs, f"{base}/{name}", shards[name])
         if hdr is None or hdr["step"] != meta["step"] or hdr["rank"] != r:
             problems.append(f"{name} damaged ({hdr})")
-    return {"step": int(meta["step"]), "world_size": int(meta["world_size"]),
-            "shards": shards, "problems": problems}
+    return {"step": int(meta["step"]), "world_size": int(meta["world_size"]), "shards": shards, "problems": problems}
 
 
 def sharded_checkpoints(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -108,13 +106,16 @@ def sharded_checkpoints(config: Dict[str, Any]) -> Dict[str, Any]:
     log = open(log_path, "a", buffering=1, encoding="utf-8")
 
     def emit(kind: str, **fields: Any) -> None:
-        log.write(json.dumps({"t": time.time(), "kind": kind, "rank": rank, "epoch": epoch,
-                              "world_size": world, **fields}) + "\n")
+        log.write(
+            json.dumps({"t": time.time(), "kind": kind, "rank": rank, "epoch": epoch, "world_size": world, **fields})
+            + "\n"
+        )
 
     import ray
 
-    emit("start", node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
-         restart_count=ctx.get_restart_count())
+    emit(
+        "start", node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(), restart_count=ctx.get_restart_count()
+    )
     sizes = {int(k): int(v) for k, v in (config.get("shard_bytes") or {}).items()}
     size = sizes.get(rank, int(config.get("default_shard_bytes", 64 * 1024)))
     payload = os.urandom(max(0, size - 2 * _HDR.size))
@@ -123,8 +124,7 @@ def sharded_checkpoints(config: Dict[str, Any]) -> Dict[str, Any]:
     ckpt = raylastic.get_checkpoint()
     if ckpt is not None:
         loaded = load_checkpoint(ckpt)
-        emit("restored", step=loaded["step"], path=ckpt.path, shards=loaded["shards"],
-             problems=loaded["problems"])
+        emit("restored", step=loaded["step"], path=ckpt.path, shards=loaded["shards"], problems=loaded["problems"])
         if loaded["problems"]:
             raise RuntimeError(f"restored a damaged checkpoint {ckpt.path}: {loaded['problems']}")
         start = loaded["step"]

@@ -32,9 +32,15 @@ class LocalCluster:
     so tests run ``fit()`` in a background thread (see ``FitThread``).
     """
 
-    def __init__(self, num_nodes: int = 3, cpus_per_node: int = 1,
-                 node_resources: Optional[Dict[str, float]] = None, head_cpus: int = 0,
-                 fast_failure_detection: bool = True, object_store_memory: int = 80 * 1024**2):
+    def __init__(
+        self,
+        num_nodes: int = 3,
+        cpus_per_node: int = 1,
+        node_resources: Optional[Dict[str, float]] = None,
+        head_cpus: int = 0,
+        fast_failure_detection: bool = True,
+        object_store_memory: int = 80 * 1024**2,
+    ):
         self._num_nodes = num_nodes
         self._cpus = cpus_per_node
         self._resources = dict(node_resources or {})
@@ -48,8 +54,12 @@ class LocalCluster:
         with _caller_keeps_sigterm():  # (the head's, and ray.init's)
             self.cluster = Cluster(
                 initialize_head=True,
-                head_node_args={"num_cpus": self._head_cpus, "_system_config": self._system_config,
-                                "object_store_memory": self._osm, "include_dashboard": False},
+                head_node_args={
+                    "num_cpus": self._head_cpus,
+                    "_system_config": self._system_config,
+                    "object_store_memory": self._osm,
+                    "include_dashboard": False,
+                },
             )
             for _ in range(self._num_nodes):
                 self.add_node(wait=False)
@@ -64,8 +74,11 @@ class LocalCluster:
 
     def add_node(self, wait: bool = True, **kwargs: Any):
         assert self.cluster is not None, "start() the cluster first"
-        args: Dict[str, Any] = {"num_cpus": self._cpus, "resources": dict(self._resources),
-                                "object_store_memory": self._osm}
+        args: Dict[str, Any] = {
+            "num_cpus": self._cpus,
+            "resources": dict(self._resources),
+            "object_store_memory": self._osm,
+        }
         args.update(kwargs)
         with _caller_keeps_sigterm():
             node = self.cluster.add_node(**args)

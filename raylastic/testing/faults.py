@@ -47,12 +47,19 @@ class RunWatcher:
         return m[-1]["index"] if m else 0
 
     def wait_for_index(self, index: int, timeout_s: float) -> int:
-        return wait_until(lambda: self.last_index() >= index and self.last_index(), timeout_s,
-                          what=f"report index {index} in {self.run_path}")
+        return wait_until(
+            lambda: self.last_index() >= index and self.last_index(),
+            timeout_s,
+            what=f"report index {index} in {self.run_path}",
+        )
 
-    def wait_for_event(self, kind: EventKind, timeout_s: float,
-                       where: Callable[[Dict[str, Any]], bool] = lambda e: True,
-                       count: int = 1) -> Dict[str, Any]:
+    def wait_for_event(
+        self,
+        kind: EventKind,
+        timeout_s: float,
+        where: Callable[[Dict[str, Any]], bool] = lambda e: True,
+        count: int = 1,
+    ) -> Dict[str, Any]:
         def found():
             evs = [e for e in self.events(kind) if where(e)]
             return evs[count - 1] if len(evs) >= count else None
@@ -66,8 +73,7 @@ class RunWatcher:
         return groups[-1]
 
 
-def kill_node_at(cluster: LocalCluster, watcher: RunWatcher, index: int, timeout_s: float = 120,
-                 rank: int = -1) -> str:
+def kill_node_at(cluster: LocalCluster, watcher: RunWatcher, index: int, timeout_s: float = 120, rank: int = -1) -> str:
     """When rank 0 reports ``index``, remove the node hosting ``rank`` of the current
     group (default: the last rank, so rank 0 survives). Returns the node id removed."""
     watcher.wait_for_index(index, timeout_s)
@@ -137,7 +143,9 @@ def hung_replacements(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     tolerates the bounded fallback still shows, in the pytest summary, why it was taken."""
     import warnings
 
-    hung = [e for e in events if e.get("kind") == EventKind.WORKER_LOST.value and e.get("cause") == LossCause.HUNG.value]
+    hung = [
+        e for e in events if e.get("kind") == EventKind.WORKER_LOST.value and e.get("cause") == LossCause.HUNG.value
+    ]
     for e in hung:
         warnings.warn(f"{e.get('message')}; stuck at:\n{e.get('stuck_at') or '(not recorded)'}", stacklevel=2)
     return hung

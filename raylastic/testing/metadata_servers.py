@@ -81,8 +81,12 @@ class _FakeMetadataServer:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"{type(self).__name__}-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"{type(self).__name__}-http",
+            daemon=True,
+        )
         self._thread.start()
         return self
 
@@ -192,17 +196,23 @@ class FakeAzureMetadata(_FakeMetadataServer):
         self._incarnation = 1
         self.acknowledged: List[str] = []  # EventIds POSTed in StartRequests
 
-    def announce(self, in_s: float = 30.0, event_type: str = "Preempt",
-                 resources: Optional[Sequence[str]] = None) -> str:
+    def announce(
+        self, in_s: float = 30.0, event_type: str = "Preempt", resources: Optional[Sequence[str]] = None
+    ) -> str:
         """Schedule an event ``in_s`` from now (``NotBefore``, whole seconds) for
         ``resources`` (default: this VM); returns its EventId."""
         event_id = str(uuid.uuid4()).upper()
-        event = {"EventId": event_id, "EventType": event_type, "ResourceType": "VirtualMachine",
-                 "Resources": list(resources) if resources is not None else [self.vm_name],
-                 "EventStatus": "Scheduled",
-                 "NotBefore": email.utils.formatdate(time.time() + in_s, usegmt=True),
-                 "Description": f"{event_type} scheduled by raylastic's fake", "EventSource": "Platform",
-                 "DurationInSeconds": -1}
+        event = {
+            "EventId": event_id,
+            "EventType": event_type,
+            "ResourceType": "VirtualMachine",
+            "Resources": list(resources) if resources is not None else [self.vm_name],
+            "EventStatus": "Scheduled",
+            "NotBefore": email.utils.formatdate(time.time() + in_s, usegmt=True),
+            "Description": f"{event_type} scheduled by raylastic's fake",
+            "EventSource": "Platform",
+            "DurationInSeconds": -1,
+        }
         with self._cond:
             self._events.append(event)
             self._incarnation += 1
@@ -234,8 +244,7 @@ class FakeAzureMetadata(_FakeMetadataServer):
                 return _text(200, "")
             if method != "GET":
                 return _json(405, {"error": "Method not allowed"})
-            return _json(200, {"DocumentIncarnation": self._incarnation,
-                               "Events": [dict(e) for e in self._events]})
+            return _json(200, {"DocumentIncarnation": self._incarnation, "Events": [dict(e) for e in self._events]})
 
 
 class FakeGCPMetadata(_FakeMetadataServer):
@@ -270,8 +279,11 @@ class FakeGCPMetadata(_FakeMetadataServer):
         if "X-Forwarded-For" in headers:
             return _text(403, "Forbidden: request with X-Forwarded-For")
         if headers.get("Metadata-Flavor") != "Google":
-            return _text(403, "Your client does not have permission to get URL from this server. "
-                              "Missing Metadata-Flavor:Google header.")
+            return _text(
+                403,
+                "Your client does not have permission to get URL from this server. "
+                "Missing Metadata-Flavor:Google header.",
+            )
         if path != self.PATH:
             return _text(404, "Not Found")
         if method != "GET":

@@ -52,10 +52,19 @@ def ids_ddp(config: Dict[str, Any]) -> None:
             # counts) has its row; one that dies before it leaves a row past the step the
             # next group restores, which a test drops. Which ids a rank gets depends on the
             # dataset's block order, so a test cannot fill in a missing row.
-            log.write(json.dumps({"m_epoch": ctx.get_membership_epoch(), "rank": ctx.get_world_rank(),
-                                  "world": ctx.get_world_size(), "step": step,
-                                  "epoch": pos.epoch - 1 if pos.rows == 0 else pos.epoch,
-                                  "ids": [int(i) for i in ids.tolist()]}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "m_epoch": ctx.get_membership_epoch(),
+                        "rank": ctx.get_world_rank(),
+                        "world": ctx.get_world_size(),
+                        "step": step,
+                        "epoch": pos.epoch - 1 if pos.rows == 0 else pos.epoch,
+                        "ids": [int(i) for i in ids.tolist()],
+                    }
+                )
+                + "\n"
+            )
             log.flush()
             opt.zero_grad()
             ddp(ids.view(-1, 1) / 1000.0).sum().backward()
@@ -118,8 +127,19 @@ def ids_neutral(config: Dict[str, Any]) -> None:
             model(ids.view(-1, 1) / 1000.0).sum().backward()
             opt.step()
             step += 1
-            log.write(json.dumps({"token": token, "rank": ctx.get_world_rank(), "world": ctx.get_world_size(),
-                                  "epoch": epoch, "step": step, "ids": [int(i) for i in ids.tolist()]}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "token": token,
+                        "rank": ctx.get_world_rank(),
+                        "world": ctx.get_world_size(),
+                        "epoch": epoch,
+                        "step": step,
+                        "ids": [int(i) for i in ids.tolist()],
+                    }
+                )
+                + "\n"
+            )
             log.flush()
             time.sleep(config.get("step_sleep_s", 0.0))
             with tempfile.TemporaryDirectory() as d:

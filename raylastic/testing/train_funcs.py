@@ -62,18 +62,28 @@ def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if fail_at is not None and step == int(fail_at) and rank == int(config.get("fail_rank", 0)) \
-                and ctx.get_restart_count() < int(config.get("fail_times", 1)):
+        if (
+            fail_at is not None
+            and step == int(fail_at)
+            and rank == int(config.get("fail_rank", 0))
+            and ctx.get_restart_count() < int(config.get("fail_times", 1))
+        ):
             raise ValueError(f"injected failure at step {step}")
         if sleep_s:
             time.sleep(sleep_s)
-        metrics = {"step": step, "loss": float(loss.detach()), "world_size": world,
-                   "epoch_id": ctx.get_membership_epoch()}
+        metrics = {
+            "step": step,
+            "loss": float(loss.detach()),
+            "world_size": world,
+            "epoch_id": ctx.get_membership_epoch(),
+        }
         if step % every == 0 or step == total:
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
-                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
-                               os.path.join(d, "state.pt"))
+                    torch.save(
+                        {"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
+                        os.path.join(d, "state.pt"),
+                    )
                 raylastic.report(metrics, checkpoint=raylastic.Checkpoint.from_directory(d) if rank == 0 else None)
         else:
             raylastic.report(metrics)
@@ -140,8 +150,7 @@ def mlp_bench(config: Dict[str, Any]) -> None:
     for step in range(start + 1, int(config.get("total_steps", 10**9)) + 1):
         # stuck_rank0_at is raylastic only, where ray.train.get_context() returns raylastic's
         # TrainContext; Ray's (what mypy sees) has no get_membership_epoch
-        if (stuck_at is not None and step == int(stuck_at)
-                and ctx.get_membership_epoch() == 1 and rank < 3):  # type: ignore[attr-defined]
+        if stuck_at is not None and step == int(stuck_at) and ctx.get_membership_epoch() == 1 and rank < 3:  # type: ignore[attr-defined]
             # rank 0 waits for rank 1, which waits for rank 2 (and 2 for 1): losing rank 2's
             # node frees rank 1 (its peer's socket closes); only the abort frees rank 0
             dist.recv(torch.zeros(1), src=(1, 2, 1)[rank])
@@ -169,8 +178,10 @@ def mlp_bench(config: Dict[str, Any]) -> None:
         elif step % every == 0 or preempted:
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
-                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
-                               os.path.join(d, "state.pt"))
+                    torch.save(
+                        {"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
+                        os.path.join(d, "state.pt"),
+                    )
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
         else:
             ray.train.report(metrics)
@@ -212,8 +223,13 @@ def elastic_mlp(config: Dict[str, Any]) -> None:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=float(config.get("lr", 0.05)), momentum=0.9)
-    loader = ElasticDataLoader(dataset, global_batch_size=int(config.get("global_batch", 48)),
-                               micro_batch_size=int(config.get("micro_batch", 8)), shuffle=True, seed=seed)
+    loader = ElasticDataLoader(
+        dataset,
+        global_batch_size=int(config.get("global_batch", 48)),
+        micro_batch_size=int(config.get("micro_batch", 8)),
+        shuffle=True,
+        seed=seed,
+    )
     ctx = raylastic.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     ckpt = raylastic.get_checkpoint()
@@ -233,17 +249,29 @@ def elastic_mlp(config: Dict[str, Any]) -> None:
                 (nn.functional.binary_cross_entropy_with_logits(ddp(xb), yb) * weight).backward()
             opt.step()
             if log is not None:
-                log.write(json.dumps({"m_epoch": ctx.get_membership_epoch(), "rank": rank, "world": world,
-                                      "epoch": batch.epoch, "step": batch.step,
-                                      "indices": list(map(int, batch.indices))}) + "\n")
+                log.write(
+                    json.dumps(
+                        {
+                            "m_epoch": ctx.get_membership_epoch(),
+                            "rank": rank,
+                            "world": world,
+                            "epoch": batch.epoch,
+                            "step": batch.step,
+                            "indices": list(map(int, batch.indices)),
+                        }
+                    )
+                    + "\n"
+                )
                 log.flush()
             if config.get("step_sleep_s"):
                 time.sleep(float(config["step_sleep_s"]))
             metrics = {"epoch": batch.epoch, "step": batch.step, "world_size": world}
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:  # weights, optimizer and the loader's position, together
-                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                                "loader": loader.state_dict()}, os.path.join(d, "state.pt"))
+                    torch.save(
+                        {"model": model.state_dict(), "opt": opt.state_dict(), "loader": loader.state_dict()},
+                        os.path.join(d, "state.pt"),
+                    )
                 raylastic.report(metrics, checkpoint=raylastic.Checkpoint.from_directory(d) if rank == 0 else None)
     if log is not None:
         log.close()

@@ -23,7 +23,13 @@ from ray.autoscaler.sdk import request_resources
 from raylastic._internal.cluster.drain import alive_nodes
 from raylastic.events import EventKind, EventLog
 from raylastic.policies.capacity import (
-    CapacityPolicy, CapacitySnapshot, CapacityState, DeadlineUnreachable, GiveUp, MigrateToSpot, ReleaseOnDemand,
+    CapacityPolicy,
+    CapacitySnapshot,
+    CapacityState,
+    DeadlineUnreachable,
+    GiveUp,
+    MigrateToSpot,
+    ReleaseOnDemand,
     RequestCapacity,
 )
 from raylastic.policies.capacity_decisions import CapacityPhase
@@ -38,8 +44,17 @@ NODE_CHECK_S = 1.0  # how often nodes the run let go are checked for having left
 
 
 class CapacityDriver:
-    def __init__(self, policy: CapacityPolicy, *, min_workers: int, max_workers: int, pool,
-                 events: EventLog, total_steps: Optional[int] = None, fit_ts: Optional[float] = None):
+    def __init__(
+        self,
+        policy: CapacityPolicy,
+        *,
+        min_workers: int,
+        max_workers: int,
+        pool,
+        events: EventLog,
+        total_steps: Optional[int] = None,
+        fit_ts: Optional[float] = None,
+    ):
         self.policy = policy
         self._min, self._max = min_workers, max_workers
         self._pool = pool
@@ -61,21 +76,34 @@ class CapacityDriver:
     def start(self) -> None:
         """Record the configuration and prices (cost is computed from the event log)."""
         record = self.policy.to_record()
-        self._events.emit(EventKind.DECISION, f"capacity policy: prefer {record['prefer']}, "
-                          f"fallback after {record['fallback_after_s']} s", decision="capacity_config",
-                          capacity=record)
+        self._events.emit(
+            EventKind.DECISION,
+            f"capacity policy: prefer {record['prefer']}, fallback after {record['fallback_after_s']} s",
+            decision="capacity_config",
+            capacity=record,
+        )
         if self.policy.prices is not None:
             markets = {t.name: t.market.value for t in self.policy.node_types}
             on_demand = [t.name for t in self.policy.node_types if t.market is Market.ON_DEMAND]
             prices = self.policy.prices.to_record()
-            self._events.emit(EventKind.PRICE_TABLE, usd_per_hour=prices.get("usd_per_hour", prices),
-                              markets=markets, on_demand_type=on_demand[0] if on_demand else None,
-                              source=prices.get("source", "CapacityPolicy.prices"))
+            self._events.emit(
+                EventKind.PRICE_TABLE,
+                usd_per_hour=prices.get("usd_per_hour", prices),
+                markets=markets,
+                on_demand_type=on_demand[0] if on_demand else None,
+                source=prices.get("source", "CapacityPolicy.prices"),
+            )
         self._pool.set_targets({}, protect=[])  # nothing is ready yet: nothing to report
 
-    def tick(self, members: List, draining: Dict[str, int], at_boundary: bool,
-             protect: Optional[List] = None, index: int = 0,
-             training: bool = False) -> Optional[Union[MigrateToSpot, GiveUp, DeadlineUnreachable]]:
+    def tick(
+        self,
+        members: List,
+        draining: Dict[str, int],
+        at_boundary: bool,
+        protect: Optional[List] = None,
+        index: int = 0,
+        training: bool = False,
+    ) -> Optional[Union[MigrateToSpot, GiveUp, DeadlineUnreachable]]:
         """One policy step (at most every 0.5 s). Returns what the controller must carry
         out itself: a migration, or giving up (``max_wait_s`` ran out, or the deadline
         cannot be met). ``index``: rank 0's last report; ``training``: the group is
@@ -96,31 +124,64 @@ class CapacityDriver:
         for m in members:
             if m.node_type is not None:
                 in_group[m.node_type] = in_group.get(m.node_type, 0) + 1
-        progress = WorkProgress(elapsed_s=time.time() - self._fit_ts, steps_done=index,
-                                total_steps=self._total_steps, steps_per_s=self._rates,
-                                efficiency=self.efficiency)
-        snap = CapacitySnapshot(now_s=now, min_workers=self._min, max_workers=self._max, ready=ready,
-                                in_group=in_group, requested=self.requested, at_checkpoint_boundary=at_boundary,
-                                progress=progress)
+        progress = WorkProgress(
+            elapsed_s=time.time() - self._fit_ts,
+            steps_done=index,
+            total_steps=self._total_steps,
+            steps_per_s=self._rates,
+            efficiency=self.efficiency,
+        )
+        snap = CapacitySnapshot(
+            now_s=now,
+            min_workers=self._min,
+            max_workers=self._max,
+            ready=ready,
+            in_group=in_group,
+            requested=self.requested,
+            at_checkpoint_boundary=at_boundary,
+            progress=progress,
+        )
         step = self.policy.decide(snap, self._state)
         self._state, d, self.phase = step.state, step.decision, step.phase
         if isinstance(d, (RequestCapacity, ReleaseOnDemand)):
-            self._events.emit(EventKind.DECISION, d.reason, decision=d.to_event()["kind"],
-                              counts=dict(d.counts), phase=step.phase.value, numbers=dict(d.numbers))
+            self._events.emit(
+                EventKind.DECISION,
+                d.reason,
+                decision=d.to_event()["kind"],
+                counts=dict(d.counts),
+                phase=step.phase.value,
+                numbers=dict(d.numbers),
+            )
             self._request(d.counts, members if protect is None else protect)
             return None
         if isinstance(d, GiveUp):
-            self._events.emit(EventKind.DECISION, d.reason, decision=d.to_event()["kind"],
-                              waited_s=round(d.waited_s, 1), phase=step.phase.value)
+            self._events.emit(
+                EventKind.DECISION,
+                d.reason,
+                decision=d.to_event()["kind"],
+                waited_s=round(d.waited_s, 1),
+                phase=step.phase.value,
+            )
             return d
         if isinstance(d, DeadlineUnreachable):
-            self._events.emit(EventKind.DECISION, d.reason, decision=d.to_event()["kind"],
-                              phase=step.phase.value, numbers=dict(d.numbers))
+            self._events.emit(
+                EventKind.DECISION,
+                d.reason,
+                decision=d.to_event()["kind"],
+                phase=step.phase.value,
+                numbers=dict(d.numbers),
+            )
             return d
         if isinstance(d, MigrateToSpot):
-            self._events.emit(EventKind.DECISION, d.reason, decision="capacity.migrate_to_spot",
-                              target=dict(d.target), workers=d.workers, phase=step.phase.value,
-                              numbers=dict(d.numbers))
+            self._events.emit(
+                EventKind.DECISION,
+                d.reason,
+                decision="capacity.migrate_to_spot",
+                target=dict(d.target),
+                workers=d.workers,
+                phase=step.phase.value,
+                numbers=dict(d.numbers),
+            )
             return d
         return None
 
@@ -183,8 +244,13 @@ class CapacityDriver:
         for node in let_go:
             if node not in alive:
                 ntype, since = self._held.pop(node)
-                self._events.emit(EventKind.NODE_GONE, node_id=node, node_type=ntype, released_ts=since,
-                                  billed_after_release_s=round(time.time() - since, 2) if since else None)
+                self._events.emit(
+                    EventKind.NODE_GONE,
+                    node_id=node,
+                    node_type=ntype,
+                    released_ts=since,
+                    billed_after_release_s=round(time.time() - since, 2) if since else None,
+                )
 
     def _trim(self, keep: List) -> None:
         """Release workers above the standing request that were kept only while they held
@@ -204,8 +270,13 @@ class CapacityDriver:
     def _release(self, released: List) -> None:
         for h in released:
             # the report's node-hours end a node's interval at this event
-            self._events.emit(EventKind.WORKER_RELEASED, wid=h.wid, node_id=h.node_id,
-                              node_type=h.node_type, reason="capacity target lowered")
+            self._events.emit(
+                EventKind.WORKER_RELEASED,
+                wid=h.wid,
+                node_id=h.node_id,
+                node_type=h.node_type,
+                reason="capacity target lowered",
+            )
 
     def release(self) -> None:
         """The run ended: drop the standing request so the autoscaler can scale down."""

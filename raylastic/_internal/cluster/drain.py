@@ -59,8 +59,10 @@ def drain_local_node(reason: str, deadline_ts: Optional[float]) -> DrainResult:
     from ray.core.generated import autoscaler_pb2
 
     if not ray.is_initialized():
-        raise RuntimeError("drain_local_node needs a connected Ray worker: call it inside a "
-                           "Ray actor or task, or after ray.init() on the node to drain")
+        raise RuntimeError(
+            "drain_local_node needs a connected Ray worker: call it inside a "
+            "Ray actor or task, or after ray.init() on the node to drain"
+        )
     ctx = ray.get_runtime_context()
     node_id = ctx.get_node_id()
     deadline_ms = int(deadline_ts * 1000) if deadline_ts else 0
@@ -74,20 +76,23 @@ def drain_local_node(reason: str, deadline_ts: Optional[float]) -> DrainResult:
     # GcsClient: not in Ray's partial _raylet.pyi
     gcs = ray._raylet.GcsClient(address=ctx.gcs_address)  # type: ignore[attr-defined]
     accepted, rejection = gcs.drain_node(
-        node_id, autoscaler_pb2.DrainNodeReason.Value(DRAIN_REASON), reason, deadline_ms)
+        node_id, autoscaler_pb2.DrainNodeReason.Value(DRAIN_REASON), reason, deadline_ms
+    )
     if not accepted:
         logger.warning("Ray refused to drain node %s: %s", node_id[:8], rejection)
-    return DrainResult(node_id, bool(accepted), deadline_ms if accepted else (current or 0),
-                       rejection or "")
+    return DrainResult(node_id, bool(accepted), deadline_ms if accepted else (current or 0), rejection or "")
 
 
 def drain_on_notice(notice: PreemptionNotice) -> DrainResult:
     """The :class:`NoticeWatcher` callback: drain this node until the notice's deadline."""
-    result = drain_local_node(f"raylastic: {notice.source} preemption notice: {notice.reason}",
-                              notice.deadline_ts)
-    logger.warning("drained node %s on a %s preemption notice (deadline in %.1f s): %s",
-                   result.node_id[:8], notice.source, notice.deadline_ts - time.time(),
-                   "accepted" if result.accepted else f"refused: {result.message}")
+    result = drain_local_node(f"raylastic: {notice.source} preemption notice: {notice.reason}", notice.deadline_ts)
+    logger.warning(
+        "drained node %s on a %s preemption notice (deadline in %.1f s): %s",
+        result.node_id[:8],
+        notice.source,
+        notice.deadline_ts - time.time(),
+        "accepted" if result.accepted else f"refused: {result.message}",
+    )
     return result
 
 

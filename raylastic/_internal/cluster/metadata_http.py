@@ -38,8 +38,14 @@ class HttpSession:
         self.timeout_s = timeout_s
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-    def request(self, method: str, url: str, headers: Optional[Mapping[str, str]] = None,
-                data: Optional[bytes] = None, timeout_s: Optional[float] = None) -> HttpResponse:
+    def request(
+        self,
+        method: str,
+        url: str,
+        headers: Optional[Mapping[str, str]] = None,
+        data: Optional[bytes] = None,
+        timeout_s: Optional[float] = None,
+    ) -> HttpResponse:
         req = urllib.request.Request(url, data=data, headers=dict(headers or {}), method=method)
         try:
             with self._opener.open(req, timeout=timeout_s or self.timeout_s) as r:

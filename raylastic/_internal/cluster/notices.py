@@ -28,7 +28,11 @@ from datetime import datetime, timezone
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from raylastic._internal.cluster.metadata_http import (  # noqa: F401 - part of this module's API
-    REQUEST_TIMEOUT_S, HttpResponse, HttpSession, MetadataError, _unexpected,
+    REQUEST_TIMEOUT_S,
+    HttpResponse,
+    HttpSession,
+    MetadataError,
+    _unexpected,
 )
 
 logger = logging.getLogger("raylastic")
@@ -86,9 +90,14 @@ class AWSSpotSource(NoticeSource):
     name = "aws"
     PATH = "/latest/meta-data/spot/instance-action"
 
-    def __init__(self, base_url: str = AWS_DEFAULT_URL, interval_s: float = AWS_POLL_S,
-                 token_ttl_s: int = 21600, v1_retry_s: float = 300.0,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        base_url: str = AWS_DEFAULT_URL,
+        interval_s: float = AWS_POLL_S,
+        token_ttl_s: int = 21600,
+        v1_retry_s: float = 300.0,
+        clock: Callable[[], float] = time.time,
+    ):
         super().__init__(base_url, interval_s, clock)
         self.token_ttl_s = token_ttl_s
         self.v1_retry_s = v1_retry_s
@@ -103,8 +112,11 @@ class AWSSpotSource(NoticeSource):
             if now < self._v1_until:
                 return {}
             try:
-                r = session.request("PUT", f"{self.base_url}/latest/api/token",
-                                    {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl_s)})
+                r = session.request(
+                    "PUT",
+                    f"{self.base_url}/latest/api/token",
+                    {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl_s)},
+                )
                 why = "" if r.status == 200 and r.text.strip() else f"answered {r.status}"
             except MetadataError as e:
                 why = str(e)
@@ -127,8 +139,14 @@ class AWSSpotSource(NoticeSource):
         if r.status == 404:
             return None
         if r.status != 200:
-            hint = ("; IMDSv2 is required but the token PUT failed (in a container, raise the "
-                    "instance's HttpPutResponseHopLimit to 2)") if r.status == 401 else ""
+            hint = (
+                (
+                    "; IMDSv2 is required but the token PUT failed (in a container, raise the "
+                    "instance's HttpPutResponseHopLimit to 2)"
+                )
+                if r.status == 401
+                else ""
+            )
             raise _unexpected(self.name, url, r, hint)
         try:
             doc = json.loads(r.text)
@@ -150,9 +168,15 @@ class AzureScheduledEventsSource(NoticeSource):
     name = "azure"
     API_VERSION = "2020-07-01"
 
-    def __init__(self, base_url: str = AZURE_DEFAULT_URL, interval_s: float = AZURE_POLL_S,
-                 event_types: Sequence[str] = ("Preempt",), vm_name: Optional[str] = None,
-                 acknowledge: bool = False, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        base_url: str = AZURE_DEFAULT_URL,
+        interval_s: float = AZURE_POLL_S,
+        event_types: Sequence[str] = ("Preempt",),
+        vm_name: Optional[str] = None,
+        acknowledge: bool = False,
+        clock: Callable[[], float] = time.time,
+    ):
         super().__init__(base_url, interval_s, clock)
         self.event_types = frozenset(event_types)
         self.vm_name = vm_name
@@ -178,8 +202,7 @@ class AzureScheduledEventsSource(NoticeSource):
             events = json.loads(r.text).get("Events") or []
         except (ValueError, AttributeError) as e:
             raise MetadataError(f"azure: {self._url}: not a JSON object: {r.text[:200]!r}") from e
-        relevant = [ev for ev in events if isinstance(ev, dict)
-                    and ev.get("EventType") in self.event_types]
+        relevant = [ev for ev in events if isinstance(ev, dict) and ev.get("EventType") in self.event_types]
         if not relevant:
             return None
         name = self._local_name(session)  # only asked once an event could be ours
@@ -188,9 +211,9 @@ class AzureScheduledEventsSource(NoticeSource):
             if name is not None and resources and name not in resources:
                 continue
             deadline = _parse_http_date(ev.get("NotBefore")) or self._clock()  # "" = started
-            return PreemptionNotice(self.name, deadline,
-                                    f"scheduled event {ev.get('EventType')} {ev.get('EventId', '?')}",
-                                    json.dumps(ev))
+            return PreemptionNotice(
+                self.name, deadline, f"scheduled event {ev.get('EventType')} {ev.get('EventId', '?')}", json.dumps(ev)
+            )
         return None
 
     def acknowledge(self, session: HttpSession, notice: PreemptionNotice) -> None:
@@ -198,8 +221,7 @@ class AzureScheduledEventsSource(NoticeSource):
             return
         event_id = json.loads(notice.raw).get("EventId")
         body = json.dumps({"StartRequests": [{"EventId": event_id}]}).encode()
-        r = session.request("POST", self._url, {"Metadata": "true",
-                                                "Content-Type": "application/json"}, data=body)
+        r = session.request("POST", self._url, {"Metadata": "true", "Content-Type": "application/json"}, data=body)
         if r.status != 200:
             raise _unexpected(self.name, self._url, r)
 
@@ -213,9 +235,15 @@ class GCPPreemptedSource(NoticeSource):
     name = "gcp"
     PATH = "/computeMetadata/v1/instance/preempted"
 
-    def __init__(self, base_url: str = GCP_DEFAULT_URL, interval_s: float = GCP_POLL_S,
-                 wait_for_change: bool = False, hang_s: int = 10, notice_s: float = GCP_NOTICE_S,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        base_url: str = GCP_DEFAULT_URL,
+        interval_s: float = GCP_POLL_S,
+        wait_for_change: bool = False,
+        hang_s: int = 10,
+        notice_s: float = GCP_NOTICE_S,
+        clock: Callable[[], float] = time.time,
+    ):
         super().__init__(base_url, 0.0 if wait_for_change else interval_s, clock)
         self.wait_for_change = wait_for_change
         self.hang_s = hang_s
@@ -225,8 +253,7 @@ class GCPPreemptedSource(NoticeSource):
     def check(self, session: HttpSession) -> Optional[PreemptionNotice]:
         url, timeout = self.base_url + self.PATH, None
         if self.wait_for_change and self._etag:
-            q = urllib.parse.urlencode({"wait_for_change": "true", "last_etag": self._etag,
-                                        "timeout_sec": self.hang_s})
+            q = urllib.parse.urlencode({"wait_for_change": "true", "last_etag": self._etag, "timeout_sec": self.hang_s})
             url, timeout = f"{url}?{q}", self.hang_s + session.timeout_s
         r = session.request("GET", url, {"Metadata-Flavor": "Google"}, timeout_s=timeout)
         if r.status != 200:
@@ -238,8 +265,7 @@ class GCPPreemptedSource(NoticeSource):
             return None
         if value != "TRUE":
             raise _unexpected(self.name, url, r, " (expected TRUE or FALSE)")
-        return PreemptionNotice(self.name, self._clock() + self.notice_s,
-                                "instance preempted", r.text)
+        return PreemptionNotice(self.name, self._clock() + self.notice_s, "instance preempted", r.text)
 
 
 def _parse_iso(value) -> Optional[float]:
@@ -269,9 +295,13 @@ class NoticeWatcher:
     (a warning when its error changes, debug otherwise) and polled again after its
     interval, or ``retry_s`` if longer."""
 
-    def __init__(self, sources: Sequence[NoticeSource],
-                 callback: Callable[[PreemptionNotice], object],
-                 session: Optional[HttpSession] = None, retry_s: float = 1.0):
+    def __init__(
+        self,
+        sources: Sequence[NoticeSource],
+        callback: Callable[[PreemptionNotice], object],
+        session: Optional[HttpSession] = None,
+        retry_s: float = 1.0,
+    ):
         if not sources:
             raise ValueError("NoticeWatcher needs at least one source")
         self.sources = tuple(sources)
@@ -287,8 +317,7 @@ class NoticeWatcher:
 
     def start(self) -> "NoticeWatcher":
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, daemon=True,
-                                            name="raylastic-preemption-watcher")
+            self._thread = threading.Thread(target=self._run, daemon=True, name="raylastic-preemption-watcher")
             self._thread.start()
             logger.info("watching for preemption notices: %s", ", ".join(map(repr, self.sources)))
         return self
@@ -325,8 +354,13 @@ class NoticeWatcher:
             self.errors += 1
             msg = f"{type(e).__name__}: {e}"
             level = logging.DEBUG if self._last_error.get(source.name) == msg else logging.WARNING
-            logger.log(level, "preemption notices (%s): check failed, will retry in %g s: %s",
-                       source.name, max(self.retry_s, source.interval_s), msg)
+            logger.log(
+                level,
+                "preemption notices (%s): check failed, will retry in %g s: %s",
+                source.name,
+                max(self.retry_s, source.interval_s),
+                msg,
+            )
             self._last_error[source.name] = msg
             return None, False
         if self._last_error.pop(source.name, None) is not None:
@@ -335,8 +369,12 @@ class NoticeWatcher:
 
     def _handle(self, source: NoticeSource, notice: PreemptionNotice) -> None:
         self.notice = notice
-        logger.warning("preemption notice from %s: %s; deadline in %.1f s", notice.source,
-                       notice.reason, notice.deadline_ts - time.time())
+        logger.warning(
+            "preemption notice from %s: %s; deadline in %.1f s",
+            notice.source,
+            notice.reason,
+            notice.deadline_ts - time.time(),
+        )
         try:
             self._callback(notice)
             source.acknowledge(self._session, notice)
@@ -385,29 +423,41 @@ def sources_from_env(environ: Optional[Mapping[str, str]] = None) -> Tuple[Notic
         return ()
     unknown = [n for n in names if n not in ("aws", "azure", "gcp")]
     if unknown:
-        raise ValueError(f"{SOURCES_ENV}={raw!r}: unknown source(s) {', '.join(unknown)}; use a "
-                         "comma-separated subset of aws,azure,gcp, or none")
+        raise ValueError(
+            f"{SOURCES_ENV}={raw!r}: unknown source(s) {', '.join(unknown)}; use a "
+            "comma-separated subset of aws,azure,gcp, or none"
+        )
     sources: List[NoticeSource] = []
     for name in dict.fromkeys(names):
         if name == "aws":
-            sources.append(AWSSpotSource(
-                base_url=env.get("RAYLASTIC_AWS_METADATA_URL") or AWS_DEFAULT_URL,
-                interval_s=_env_float(env, "RAYLASTIC_AWS_POLL_S", AWS_POLL_S)))
+            sources.append(
+                AWSSpotSource(
+                    base_url=env.get("RAYLASTIC_AWS_METADATA_URL") or AWS_DEFAULT_URL,
+                    interval_s=_env_float(env, "RAYLASTIC_AWS_POLL_S", AWS_POLL_S),
+                )
+            )
         elif name == "azure":
-            sources.append(AzureScheduledEventsSource(
-                base_url=env.get("RAYLASTIC_AZURE_METADATA_URL") or AZURE_DEFAULT_URL,
-                interval_s=_env_float(env, "RAYLASTIC_AZURE_POLL_S", AZURE_POLL_S),
-                acknowledge=_env_bool(env, "RAYLASTIC_AZURE_ACK_EVENTS")))
+            sources.append(
+                AzureScheduledEventsSource(
+                    base_url=env.get("RAYLASTIC_AZURE_METADATA_URL") or AZURE_DEFAULT_URL,
+                    interval_s=_env_float(env, "RAYLASTIC_AZURE_POLL_S", AZURE_POLL_S),
+                    acknowledge=_env_bool(env, "RAYLASTIC_AZURE_ACK_EVENTS"),
+                )
+            )
         else:
-            sources.append(GCPPreemptedSource(
-                base_url=env.get("RAYLASTIC_GCP_METADATA_URL") or GCP_DEFAULT_URL,
-                interval_s=_env_float(env, "RAYLASTIC_GCP_POLL_S", GCP_POLL_S),
-                wait_for_change=_env_bool(env, "RAYLASTIC_GCP_WAIT_FOR_CHANGE")))
+            sources.append(
+                GCPPreemptedSource(
+                    base_url=env.get("RAYLASTIC_GCP_METADATA_URL") or GCP_DEFAULT_URL,
+                    interval_s=_env_float(env, "RAYLASTIC_GCP_POLL_S", GCP_POLL_S),
+                    wait_for_change=_env_bool(env, "RAYLASTIC_GCP_WAIT_FOR_CHANGE"),
+                )
+            )
     return tuple(sources)
 
 
-def watcher_from_env(callback: Callable[[PreemptionNotice], object],
-                     environ: Optional[Mapping[str, str]] = None) -> Optional[NoticeWatcher]:
+def watcher_from_env(
+    callback: Callable[[PreemptionNotice], object], environ: Optional[Mapping[str, str]] = None
+) -> Optional[NoticeWatcher]:
     """A (not yet started) watcher for the sources the environment enables, or None."""
     sources = sources_from_env(environ)
     return NoticeWatcher(sources, callback) if sources else None

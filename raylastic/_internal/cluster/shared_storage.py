@@ -52,8 +52,10 @@ def check_shared(lease_path: str, token: str, storage_path: str) -> None:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     probe = ray.remote(num_cpus=0, max_retries=0)(_read_token)
-    refs = {ip: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-            .remote(lease_path) for ip, node in hosts.items()}
+    refs = {
+        ip: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(lease_path)
+        for ip, node in hosts.items()
+    }
     missing: List[str] = []
     for ip, ref in refs.items():
         try:
@@ -68,4 +70,5 @@ def check_shared(lease_path: str, token: str, storage_path: str) -> None:
             f"{', '.join(sorted(missing))} do not share with this driver ({os.uname().nodename}): "
             "each node would write checkpoints to its own disk and a restore would not find them. "
             "Fix: mount the same shared filesystem (NFS, EFS, Lustre) at that path on every node, "
-            "or use object storage (s3://, gs://, abfs://).")
+            "or use object storage (s3://, gs://, abfs://)."
+        )

@@ -49,7 +49,8 @@ class CapacitySteps:
         # so the policy does not propose (and log) one that would be dropped.
         boundary = isinstance(st, Running) and (
             (latest is not None and latest.index != self._last_committed_seen)
-            or bool(members and all(m.snapshots for m in members)))
+            or bool(members and all(m.snapshots for m in members))
+        )
         self._last_committed_seen = latest.index if latest else None
         self._group.drained(members)  # refresh the draining view the policy excludes
         # Keep the group's members (also while a graceful stop runs over several ticks),
@@ -58,14 +59,15 @@ class CapacitySteps:
         # would force a storage read). Once the running group holds newer snapshots, a
         # worker that left it (an on-demand worker moved off) is released and its node
         # stops costing money.
-        protect = members + spares_holding_needed_state(self._group.ready_workers(), members,
-                                                        isinstance(st, Running))
+        protect = members + spares_holding_needed_state(self._group.ready_workers(), members, isinstance(st, Running))
         training = isinstance(st, Running) and st.progress.reached(default=-1) >= 0
-        d = self._capacity.tick(members, self._group.draining, boundary, protect=protect,
-                                index=self._ingest.last_index, training=training)
+        d = self._capacity.tick(
+            members, self._group.draining, boundary, protect=protect, index=self._ingest.last_index, training=training
+        )
         if isinstance(d, (GiveUp, DeadlineUnreachable)):
-            self._abort_all(f"capacity wait exhausted: {d.reason}" if isinstance(d, GiveUp)
-                            else f"capacity: {d.reason}")
+            self._abort_all(
+                f"capacity wait exhausted: {d.reason}" if isinstance(d, GiveUp) else f"capacity: {d.reason}"
+            )
             self._stop_members(members, graceful=False)
             self._set_state(Errored(d.error()))
         elif isinstance(d, MigrateToSpot) and isinstance(st, Running):
@@ -76,8 +78,15 @@ class CapacitySteps:
         assert self._capacity is not None  # a migration comes from the capacity policy
         od = {t.name for t in self._capacity.policy.node_types if t.market is Market.ON_DEMAND}
         on_demand = [m for m in st.members if m.node_type in od]
-        leaving = sorted(on_demand, key=lambda m: -m.prev_rank)[:migration.workers]
+        leaving = sorted(on_demand, key=lambda m: -m.prev_rank)[: migration.workers]
         for name in od:  # do not refill the slots being given back
             self._group.set_target(name, migration.target.get(name, 0))
-        return Resizing(epoch=st.epoch, members=st.members, reason=migration.reason, graceful=True,
-                        started_at=time.monotonic(), leaving=leaving, progress=st.progress)
+        return Resizing(
+            epoch=st.epoch,
+            members=st.members,
+            reason=migration.reason,
+            graceful=True,
+            started_at=time.monotonic(),
+            leaving=leaving,
+            progress=st.progress,
+        )

@@ -33,10 +33,22 @@ from raylastic._internal.controller.hooks import RunHooks
 from raylastic._internal.controller.ingest import ReportIngest
 from raylastic._internal.controller.memory_restore import MemoryRestore
 from raylastic._internal.controller.states import (
-    Errored, Finished, Resizing, Running, Scheduling, State, check_transition, is_terminal,
+    Errored,
+    Finished,
+    Resizing,
+    Running,
+    Scheduling,
+    State,
+    check_transition,
+    is_terminal,
 )
 from raylastic._internal.worker_group.group import (
-    ABORT_JOIN_MIN_S, GroupFormationError, Interrupted, MembersLost, PollBatch, WorkerGroup,
+    ABORT_JOIN_MIN_S,
+    GroupFormationError,
+    Interrupted,
+    MembersLost,
+    PollBatch,
+    WorkerGroup,
 )
 from raylastic._internal.worker_group.pool import WorkerHandle
 from raylastic._internal.worker_group.results import PollResult, WorkerStatus, maybe_collateral, rank_errors
@@ -44,7 +56,11 @@ from raylastic.checkpoint.manager import CheckpointManager
 from raylastic.checkpoint.storage import StorageError
 from raylastic.config import RunConfig, ScalingConfig, describe, describe_run
 from raylastic.errors import (
-    InsufficientCapacityError, SnapshotMismatchError, TrainingAborted, TrainingFailedError, storage_failure,
+    InsufficientCapacityError,
+    SnapshotMismatchError,
+    TrainingAborted,
+    TrainingFailedError,
+    storage_failure,
 )
 from raylastic.events import EventKind, EventLog, LossCause
 from raylastic.policies.base import Noop, Raise, Resize, Wait
@@ -67,18 +83,30 @@ PLAIN_ERROR_GRACE_S = 1.0
 # process, state by broadcast) costs seconds; waiting for the group timeout, a minute.
 ABORT_JOIN_STEPS = 3
 
+
 class Controller(CapacitySteps, FailureSteps):
     """Ray actor body. ``run()`` blocks until training ends and returns an outcome dict.
 
     ``scaling_policy``, ``failure_policy`` and ``group`` default to the ones the configs
     describe; tests pass their own. ``hooks``: code the front end attaches (``hooks.py``)."""
 
-    def __init__(self, train_func: Union[Callable, TrainFunc], train_loop_config: Optional[Dict[str, Any]],
-                 scaling: ScalingConfig, run: RunConfig, storage, run_rel: str, run_name: str, *,
-                 scaling_policy: Optional[ElasticScalingPolicy] = None,
-                 failure_policy: Optional[FailurePolicy] = None,
-                 group: Optional[WorkerGroup] = None, fit_ts: Optional[float] = None,
-                 epoch_floor: int = 0, hooks: Optional[RunHooks] = None):
+    def __init__(
+        self,
+        train_func: Union[Callable, TrainFunc],
+        train_loop_config: Optional[Dict[str, Any]],
+        scaling: ScalingConfig,
+        run: RunConfig,
+        storage,
+        run_rel: str,
+        run_name: str,
+        *,
+        scaling_policy: Optional[ElasticScalingPolicy] = None,
+        failure_policy: Optional[FailurePolicy] = None,
+        group: Optional[WorkerGroup] = None,
+        fit_ts: Optional[float] = None,
+        epoch_floor: int = 0,
+        hooks: Optional[RunHooks] = None,
+    ):
         # A TrainFunc's reference is passed on as is (each worker resolves it), never loaded here.
         self._train_func = train_func.ref if isinstance(train_func, TrainFunc) else train_func
         self._config = train_loop_config
@@ -90,8 +118,14 @@ class Controller(CapacitySteps, FailureSteps):
         self._stop_requested = threading.Event()
         self._events = EventLog(storage, run_rel, verbose=run.verbose)
         cc = run.checkpoint_config
-        self._ckpt = CheckpointManager(storage, run_rel, cc.num_to_keep, self._events,
-                                       score_attribute=cc.score_attribute, score_order=cc.score_order)
+        self._ckpt = CheckpointManager(
+            storage,
+            run_rel,
+            cc.num_to_keep,
+            self._events,
+            score_attribute=cc.score_attribute,
+            score_order=cc.score_order,
+        )
         self._scaling_policy = scaling_policy or from_configs(scaling)[0]  # one wait clock
         fc = run.failure_config
         self._failure_policy = failure_policy or FailurePolicy(fc.max_failures, fc.max_node_failures)
@@ -106,10 +140,19 @@ class Controller(CapacitySteps, FailureSteps):
         self._hooks = hooks or RunHooks()
         self._ingest = ReportIngest(self._ckpt, self._events, self._tb, self._hooks)
         self._memory = MemoryRestore(self._group, self._ckpt, self._events)
-        self._capacity = None if scaling.capacity is None else CapacityDriver(
-            scaling.capacity, min_workers=scaling.min_workers,
-            max_workers=cast(int, scaling.max_workers),  # set (never None) by ScalingConfig.__post_init__
-            pool=self._group.pool, events=self._events, total_steps=run.total_steps, fit_ts=fit_ts)
+        self._capacity = (
+            None
+            if scaling.capacity is None
+            else CapacityDriver(
+                scaling.capacity,
+                min_workers=scaling.min_workers,
+                max_workers=cast(int, scaling.max_workers),  # set (never None) by ScalingConfig.__post_init__
+                pool=self._group.pool,
+                events=self._events,
+                total_steps=run.total_steps,
+                fit_ts=fit_ts,
+            )
+        )
         self._epoch = epoch_floor  # a resumed run continues its epoch numbering (never reuses a name)
         self._restarts = 0
         self._recoveries = 0
@@ -141,8 +184,10 @@ class Controller(CapacitySteps, FailureSteps):
     def run(self) -> Dict[str, Any]:
         latest = self._ckpt.latest()
         self._events.emit(
-            EventKind.RUN_STARTED, f"run {self._run_name} started at {self._storage.uri}/{self._run_rel}",
-            scaling=describe(self._scaling), run=describe_run(self._run),
+            EventKind.RUN_STARTED,
+            f"run {self._run_name} started at {self._storage.uri}/{self._run_rel}",
+            scaling=describe(self._scaling),
+            run=describe_run(self._run),
             resources_per_worker=self._scaling.worker_resources(),
             resume_from=latest.index if latest else None,
         )
@@ -186,9 +231,13 @@ class Controller(CapacitySteps, FailureSteps):
             if is_terminal(self._state):
                 return
         for h in self._group.refresh():
-            self._events.emit(EventKind.WORKER_READY, wid=h.wid, node_id=h.node_id,
-                              node_type=h.info["node_type"] if h.info else None,
-                              market=h.info["market"] if h.info else None)
+            self._events.emit(
+                EventKind.WORKER_READY,
+                wid=h.wid,
+                node_id=h.node_id,
+                node_type=h.info["node_type"] if h.info else None,
+                market=h.info["market"] if h.info else None,
+            )
         self._group.fill()
         self._set_state(self._step(self._state))
 
@@ -227,13 +276,24 @@ class Controller(CapacitySteps, FailureSteps):
         spares = [h for h in spares if h.node_id not in self._group.draining]
         p = self._scaling_policy  # placed workers still starting: asked only when it could matter
         starting = self._group.starting() if p.min_workers <= len(spares) < p.max_workers else 0
-        d = p.decide(ScalingSnapshot(now=now, group_size=0, ready_spares=len(spares), starting=starting,
-                                     last_ready_at=self._group.last_ready_at, waiting_since=st.since,
-                                     last_wait_log_at=st.last_log_at))
+        d = p.decide(
+            ScalingSnapshot(
+                now=now,
+                group_size=0,
+                ready_spares=len(spares),
+                starting=starting,
+                last_ready_at=self._group.last_ready_at,
+                waiting_since=st.since,
+                last_wait_log_at=st.last_log_at,
+            )
+        )
         if isinstance(d, Raise):
             self._events.emit(EventKind.DECISION, d.reason, decision="raise")
-            return Errored(InsufficientCapacityError(
-                self._scaling.min_workers, len(spares), now - st.since, self._scaling.worker_resources()))
+            return Errored(
+                InsufficientCapacityError(
+                    self._scaling.min_workers, len(spares), now - st.since, self._scaling.worker_resources()
+                )
+            )
         if isinstance(d, (Wait, Noop)):
             if isinstance(d, Wait) and d.log:
                 self._events.emit(EventKind.CAPACITY_WAIT, d.reason, ready=len(spares))
@@ -262,9 +322,13 @@ class Controller(CapacitySteps, FailureSteps):
         try:
             formed = self._group.setup(members, epoch, self._scaling.backend)
         except GroupFormationError as e:
-            self._events.emit(EventKind.FAILURE, f"group formation for epoch {epoch} failed: {e}; "
-                              f"{e.gone} worker(s) gone, re-forming", epoch=epoch, failure_kind="formation",
-                              gone=e.gone)
+            self._events.emit(
+                EventKind.FAILURE,
+                f"group formation for epoch {epoch} failed: {e}; {e.gone} worker(s) gone, re-forming",
+                epoch=epoch,
+                failure_kind="formation",
+                gone=e.gone,
+            )
             return None
         members, world = formed.members, len(formed.members)
         latest = self._ckpt.latest_valid()
@@ -276,11 +340,20 @@ class Controller(CapacitySteps, FailureSteps):
         self._events.emit(
             EventKind.GROUP_FORMED,
             f"epoch {epoch}: world size {prev} -> {world}"
-            + (f", resuming from in-memory snapshot {restore.index}" if restore.memory_index is not None
-               else f", resuming from checkpoint {latest.index}" if latest else ", fresh start"),
-            epoch=epoch, world_size=world, previous_world_size=prev,
-            nodes=[m.node_id for m in members], pids=[m.info["pid"] if m.info else None for m in members],
-            restore_index=restore.index, restore_path=restore.checkpoint_rel,
+            + (
+                f", resuming from in-memory snapshot {restore.index}"
+                if restore.memory_index is not None
+                else f", resuming from checkpoint {latest.index}"
+                if latest
+                else ", fresh start"
+            ),
+            epoch=epoch,
+            world_size=world,
+            previous_world_size=prev,
+            nodes=[m.node_id for m in members],
+            pids=[m.info["pid"] if m.info else None for m in members],
+            restore_index=restore.index,
+            restore_path=restore.checkpoint_rel,
             stripes=[list(s) for s in formed.stripes] if formed.stripes else None,
         )
         self._memory.record(epoch, members, restore, latest)
@@ -294,8 +367,13 @@ class Controller(CapacitySteps, FailureSteps):
             logger.warning("epoch %s: %s while starting; handling it as a loss", epoch, e)
         self._memory.skip_next = False  # the members drop the snapshots newer than restore.index
         self._events.emit(EventKind.TRAINING_STARTED, epoch=epoch, world_size=world)
-        return Running(epoch=epoch, members=members, started_at=time.monotonic(),
-                       restored_index=restore.index, memory_index=restore.memory_index)
+        return Running(
+            epoch=epoch,
+            members=members,
+            started_at=time.monotonic(),
+            restored_index=restore.index,
+            memory_index=restore.memory_index,
+        )
 
     # -- Running -------------------------------------------------------------------
     def _step_running(self, st: Running) -> State:
@@ -307,8 +385,11 @@ class Controller(CapacitySteps, FailureSteps):
                 st.progress.finished[wid] = r.return_value
         if batch.lost:
             return self._on_failure(st, batch, failures)
-        if failures and st.memory_index is not None and all(
-                f.message.startswith(SnapshotMismatchError.__name__) for f in failures):
+        if (
+            failures
+            and st.memory_index is not None
+            and all(f.message.startswith(SnapshotMismatchError.__name__) for f in failures)
+        ):
             return self._memory_snapshot_unusable(st, failures)
         if failures:
             failed = {st.members[f.rank].wid for f in failures}
@@ -318,12 +399,12 @@ class Controller(CapacitySteps, FailureSteps):
             if not dead:  # a real error: the others' reports made before it still count
                 batch = self._collect_last_reports(st, failures)
                 return self._on_failure(st, batch, failures)
-            return self._on_failure(st, PollBatch(lost=[m for m in st.members if m.wid in dead], causes=dead),
-                                    failures)
+            return self._on_failure(st, PollBatch(lost=[m for m in st.members if m.wid in dead], causes=dead), failures)
         if len(st.progress.finished) == len(st.members):
             index = st.progress.reached()
-            self._events.emit(EventKind.RUN_FINISHED, f"training finished at report {index}",
-                              epoch=st.epoch, index=index)
+            self._events.emit(
+                EventKind.RUN_FINISHED, f"training finished at report {index}", epoch=st.epoch, index=index
+            )
             return Finished(return_value=st.progress.finished.get(st.members[0].wid))
         if st.progress.finished:
             time.sleep(self._run.poll_interval_s)
@@ -331,21 +412,41 @@ class Controller(CapacitySteps, FailureSteps):
         drained = self._group.drained(st.members)
         if drained:
             nodes = sorted({m.node_id for m in drained})
-            self._events.emit(EventKind.PREEMPTION_NOTICE,
-                              f"preemption notice for node(s) {', '.join(n[-8:] for n in nodes)}: "
-                              f"moving {len(drained)} worker(s) off before the deadline",
-                              nodes=nodes, deadlines_ms=[self._group.draining.get(n) for n in nodes],
-                              epoch=st.epoch)
-            return Resizing(epoch=st.epoch, members=st.members, reason="preemption notice",
-                            graceful=True, started_at=time.monotonic(), leaving=drained, progress=st.progress)
-        snap = ScalingSnapshot(now=time.monotonic(), group_size=len(st.members),
-                               ready_spares=len(self._group.ready_spares(st.members)),
-                               last_ready_at=self._group.last_ready_at, waiting_since=None)
+            self._events.emit(
+                EventKind.PREEMPTION_NOTICE,
+                f"preemption notice for node(s) {', '.join(n[-8:] for n in nodes)}: "
+                f"moving {len(drained)} worker(s) off before the deadline",
+                nodes=nodes,
+                deadlines_ms=[self._group.draining.get(n) for n in nodes],
+                epoch=st.epoch,
+            )
+            return Resizing(
+                epoch=st.epoch,
+                members=st.members,
+                reason="preemption notice",
+                graceful=True,
+                started_at=time.monotonic(),
+                leaving=drained,
+                progress=st.progress,
+            )
+        snap = ScalingSnapshot(
+            now=time.monotonic(),
+            group_size=len(st.members),
+            ready_spares=len(self._group.ready_spares(st.members)),
+            last_ready_at=self._group.last_ready_at,
+            waiting_since=None,
+        )
         d = self._scaling_policy.decide(snap)
         if isinstance(d, Resize):
             self._events.emit(EventKind.DECISION, d.reason, decision="resize", world_size=d.world_size)
-            return Resizing(epoch=st.epoch, members=st.members, reason=d.reason, graceful=True,
-                            started_at=time.monotonic(), progress=st.progress)
+            return Resizing(
+                epoch=st.epoch,
+                members=st.members,
+                reason=d.reason,
+                graceful=True,
+                started_at=time.monotonic(),
+                progress=st.progress,
+            )
         time.sleep(self._run.poll_interval_s)
         return st
 
@@ -353,8 +454,14 @@ class Controller(CapacitySteps, FailureSteps):
     def _step_resizing(self, st: Resizing) -> State:
         if st.graceful:
             if st.stop is None:
-                st.stop = GracefulStop(st, self._group, self._ingest, self._events,
-                                       lambda: [c.index for c in self._ckpt.committed], self._run.poll_interval_s)
+                st.stop = GracefulStop(
+                    st,
+                    self._group,
+                    self._ingest,
+                    self._events,
+                    lambda: [c.index for c in self._ckpt.committed],
+                    self._run.poll_interval_s,
+                )
             outcome = st.stop.tick()
             if outcome is None:
                 return st  # still stopping: the loop checks for Ctrl-C between ticks
@@ -386,8 +493,14 @@ class Controller(CapacitySteps, FailureSteps):
             f"resizing from {len(self._world_sizes) and self._world_sizes[-1]} workers: {st.reason}; "
             f"restoring {source} {plan.index if plan.checkpoint_rel or plan.memory_index else 'none'} "
             f"({lost_steps} step(s) to redo)",
-            epoch=st.epoch, reason=st.reason, graceful=st.graceful, survivors=len(st.members),
-            reached_index=reached, restore_index=plan.index, restore_source=source, lost_steps=lost_steps,
+            epoch=st.epoch,
+            reason=st.reason,
+            graceful=st.graceful,
+            survivors=len(st.members),
+            reached_index=reached,
+            restore_index=plan.index,
+            restore_source=source,
+            lost_steps=lost_steps,
             resize_s=time.monotonic() - st.started_at,
         )
         return Scheduling(since=time.monotonic())
@@ -399,8 +512,9 @@ class Controller(CapacitySteps, FailureSteps):
             if not self._group.is_member(m):
                 continue
             cause = LossCause.PREEMPTED if m.node_id in self._group.draining else LossCause.RELEASED
-            self._worker_lost(m, cause, f"worker rank {m.prev_rank} {cause.value}: off node {m.node_id[-8:]} "
-                              f"({st.reason})")
+            self._worker_lost(
+                m, cause, f"worker rank {m.prev_rank} {cause.value}: off node {m.node_id[-8:]} ({st.reason})"
+            )
 
     def _stop_members(self, members: List[WorkerHandle], graceful: bool) -> Dict[int, PollResult]:
         """Make members' train threads exit; replace any that does not in time, after
@@ -412,8 +526,9 @@ class Controller(CapacitySteps, FailureSteps):
             if h.last_words is not None:
                 last_words[h.member.wid] = h.last_words
                 self._memory.rescue(h.member, out.stopped)
-            self._worker_lost(h.member, LossCause.HUNG, f"worker rank {h.member.prev_rank} {h.why}; replacing it",
-                              stuck_at=h.stuck_at)
+            self._worker_lost(
+                h.member, LossCause.HUNG, f"worker rank {h.member.prev_rank} {h.why}; replacing it", stuck_at=h.stuck_at
+            )
         return last_words
 
     def _drain_survivors(self, st: Resizing, last_words: Dict[int, PollResult]) -> None:
@@ -435,8 +550,9 @@ class Controller(CapacitySteps, FailureSteps):
         latest = self._ckpt.latest()
         error = st.error if isinstance(st, Errored) else None
         if error is not None:
-            self._events.emit(EventKind.RUN_FAILED, f"run failed: {str(error).splitlines()[0]}",
-                              error=type(error).__name__)
+            self._events.emit(
+                EventKind.RUN_FAILED, f"run failed: {str(error).splitlines()[0]}", error=type(error).__name__
+            )
         self._events.close()
         return {
             "metrics": self._ingest.latest_metrics,

@@ -61,8 +61,14 @@ class FailureSteps:
         restart the same members from the last committed checkpoint (not a failure)."""
         assert st.memory_index is not None  # only for a group restored from memory
         self._memory.mark_unusable(st.memory_index, st.epoch, failures[0].message.split(": ", 1)[-1].splitlines()[0])
-        return Resizing(epoch=st.epoch, members=st.members, reason="in-memory snapshot unusable",
-                        graceful=False, started_at=time.monotonic(), progress=st.progress)
+        return Resizing(
+            epoch=st.epoch,
+            members=st.members,
+            reason="in-memory snapshot unusable",
+            graceful=False,
+            started_at=time.monotonic(),
+            progress=st.progress,
+        )
 
     def _collect_last_reports(self, st: Running, failures: List[RankFailure]) -> PollBatch:
         """Ranks raised and no peer is lost: before the attempt ends, keep polling the group
@@ -93,16 +99,27 @@ class FailureSteps:
         for m in batch.lost:
             cause = LossCause.NODE_LOST if m in node_lost else LossCause.CRASH
             failures.append(RankFailure(m.prev_rank, st.epoch, cause.value, cause_text(batch.causes.get(m.wid))))
-            self._worker_lost(m, cause, f"worker rank {m.prev_rank} on node {m.node_id[-8:]} lost ({cause.value})",
-                              epoch=st.epoch, last_index=st.progress.last_index.get(m.wid, 0))
+            self._worker_lost(
+                m,
+                cause,
+                f"worker rank {m.prev_rank} on node {m.node_id[-8:]} lost ({cause.value})",
+                epoch=st.epoch,
+                last_index=st.progress.last_index.get(m.wid, 0),
+            )
         self._hooks.failed(failures)
         kind = FailureKind.NODE_LOST if node_lost else FailureKind.ERROR
         decision = self._failure_policy.decide(kind, self._counts)
         reached = st.progress.reached(default=st.restored_index if isinstance(st, Running) else 0)
-        self._events.emit(EventKind.FAILURE, f"{kind.value} in epoch {st.epoch}: " + "; ".join(
-            f"rank {f.rank} {f.kind}: {f.message.splitlines()[0] if f.message else ''}" for f in failures),
-            epoch=st.epoch, failure_kind=kind.value, decision=type(decision).__name__,
-            reason=decision.reason, reached_index=reached)
+        self._events.emit(
+            EventKind.FAILURE,
+            f"{kind.value} in epoch {st.epoch}: "
+            + "; ".join(f"rank {f.rank} {f.kind}: {f.message.splitlines()[0] if f.message else ''}" for f in failures),
+            epoch=st.epoch,
+            failure_kind=kind.value,
+            decision=type(decision).__name__,
+            reason=decision.reason,
+            reached_index=reached,
+        )
         survivors = [m for m in st.members if m not in batch.lost]
         if kind is FailureKind.NODE_LOST:
             self._counts = FailureCounts(self._counts.errors, self._counts.node_losses + 1)
@@ -114,12 +131,19 @@ class FailureSteps:
         if decision.delay_s > 0 and self._stop_requested.wait(decision.delay_s):
             self._stop_members(survivors, graceful=False)
             return Errored(TrainingAborted("training was stopped while waiting to retry"), failures)
-        return Resizing(epoch=st.epoch, members=survivors, reason=f"{kind.value}: {decision.reason}",
-                        graceful=False, started_at=time.monotonic(),
-                        lost_ranks=[m.prev_rank for m in batch.lost], progress=st.progress)
+        return Resizing(
+            epoch=st.epoch,
+            members=survivors,
+            reason=f"{kind.value}: {decision.reason}",
+            graceful=False,
+            started_at=time.monotonic(),
+            lost_ranks=[m.prev_rank for m in batch.lost],
+            progress=st.progress,
+        )
 
     def _worker_lost(self, m: WorkerHandle, cause: LossCause, message: str, **fields: Any) -> None:
         """The one way a member leaves mid-run: recorded, then its actor is killed."""
-        self._events.emit(EventKind.WORKER_LOST, message, rank=m.prev_rank, node_id=m.node_id,
-                          cause=cause.value, wid=m.wid, **fields)
+        self._events.emit(
+            EventKind.WORKER_LOST, message, rank=m.prev_rank, node_id=m.node_id, cause=cause.value, wid=m.wid, **fields
+        )
         self._group.remove(m)

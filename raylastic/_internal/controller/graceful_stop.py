@@ -54,8 +54,15 @@ Outcome = object  # Stopped | Failed | AllFinished
 
 
 class GracefulStop:
-    def __init__(self, st: Resizing, group: WorkerGroup, ingest: ReportIngest, events: EventLog,
-                 committed: Callable[[], Sequence[int]], poll_interval_s: float):
+    def __init__(
+        self,
+        st: Resizing,
+        group: WorkerGroup,
+        ingest: ReportIngest,
+        events: EventLog,
+        committed: Callable[[], Sequence[int]],
+        poll_interval_s: float,
+    ):
         self._st = st
         self._group = group
         self._ingest = ingest
@@ -93,8 +100,13 @@ class GracefulStop:
         budget = self._group.time_to_deadline(st.leaving)
 
         def choose(at: int) -> int:
-            return choose_stop_index(at, step_time_s=self._ingest.step_time_s, snapshots=snapshots,
-                                     budget_s=budget, committed=self._committed())
+            return choose_stop_index(
+                at,
+                step_time_s=self._ingest.step_time_s,
+                snapshots=snapshots,
+                budget_s=budget,
+                committed=self._committed(),
+            )
 
         target = choose(current)
         agreed = False
@@ -109,14 +121,17 @@ class GracefulStop:
             # A rank already stopped at an earlier proposal, or runs ahead of every one:
             # the others would wait for it in a collective. Abort now (the next tick's
             # timed-out stop) rather than after the stop's deadline, tens of seconds on.
-            self._events.emit(EventKind.DECISION, f"no report every rank can still stop after (last "
-                              f"proposed {target}): aborting the group instead", decision="abort")
+            self._events.emit(
+                EventKind.DECISION,
+                f"no report every rank can still stop after (last proposed {target}): aborting the group instead",
+                decision="abort",
+            )
             self._deadline = time.monotonic()
             return
-        self._events.emit(EventKind.DECISION, f"stopping workers after report {target} to resize",
-                          decision="stop_at", stop_at=target)
-        self._deadline = time.monotonic() + JOIN_TIMEOUT_S + max(
-            5.0, (target - current) * self._ingest.step_time_s * 3)
+        self._events.emit(
+            EventKind.DECISION, f"stopping workers after report {target} to resize", decision="stop_at", stop_at=target
+        )
+        self._deadline = time.monotonic() + JOIN_TIMEOUT_S + max(5.0, (target - current) * self._ingest.step_time_s * 3)
 
     def _settled(self, batch: PollBatch) -> Outcome:
         st = self._st

@@ -23,8 +23,9 @@ from raylastic.events import EventKind, EventLog
 
 
 class ReportIngest:
-    def __init__(self, ckpt: CheckpointManager, events: EventLog, tb: Optional[Any] = None,
-                 hooks: Optional[RunHooks] = None):
+    def __init__(
+        self, ckpt: CheckpointManager, events: EventLog, tb: Optional[Any] = None, hooks: Optional[RunHooks] = None
+    ):
         self._ckpt = ckpt
         self._hooks = hooks or RunHooks()
         self._events = events
@@ -43,8 +44,13 @@ class ReportIngest:
     def last_index(self) -> int:
         return self.last_rank0[0] if self.last_rank0 else 0
 
-    def ingest(self, progress: Progress, members: Sequence[WorkerHandle],
-               results: Mapping[int, PollResult], first_step: bool = True) -> None:
+    def ingest(
+        self,
+        progress: Progress,
+        members: Sequence[WorkerHandle],
+        results: Mapping[int, PollResult],
+        first_step: bool = True,
+    ) -> None:
         """Take the answers of one poll (wid -> result) of ``members``. ``first_step``
         False: a group being stopped; its late first report is no ``first_step`` event
         (the report would read it as the end of a recovery that began after it)."""
@@ -53,8 +59,7 @@ class ReportIngest:
             if r is not None:
                 self._take(progress, len(members), m, r, first_step)
 
-    def _take(self, progress: Progress, world_size: int, m: WorkerHandle, r: PollResult,
-              first_step: bool) -> None:
+    def _take(self, progress: Progress, world_size: int, m: WorkerHandle, r: PollResult, first_step: bool) -> None:
         progress.last_index[m.wid] = max(progress.last_index.get(m.wid, 0), r.index)
         if not r.records:
             return
@@ -69,11 +74,13 @@ class ReportIngest:
             self.last_rank0 = (rec.index, now)
             with self._lock:
                 self._latest_metrics = rec.metrics
-            self._events.metrics({"ts": rec.ts, "index": rec.index, "epoch": rec.epoch,
-                                  "world_size": world_size, "metrics": rec.metrics})
+            self._events.metrics(
+                {"ts": rec.ts, "index": rec.index, "epoch": rec.epoch, "world_size": world_size, "metrics": rec.metrics}
+            )
             if self._tb is not None:
                 self._tb.log_metrics(rec.index, rec.metrics, world_size, rec.ts)
             if first_step and not progress.first_step_seen:
                 progress.first_step_seen = True
-                self._events.emit(EventKind.FIRST_STEP, epoch=rec.epoch, index=rec.index,
-                                  world_size=world_size, report_ts=rec.ts)
+                self._events.emit(
+                    EventKind.FIRST_STEP, epoch=rec.epoch, index=rec.index, world_size=world_size, report_ts=rec.ts
+                )

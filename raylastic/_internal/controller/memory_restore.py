@@ -47,8 +47,12 @@ class MemoryRestore:
             EventKind.CHECKPOINT_INVALID,
             f"in-memory snapshot {index} is unusable ({reason}); falling back to "
             + (f"committed checkpoint {latest.index}" if latest else "a fresh start (nothing committed)"),
-            source="memory", index=index, epoch=epoch, reason=reason,
-            fallback_index=latest.index if latest else None)
+            source="memory",
+            index=index,
+            epoch=epoch,
+            reason=reason,
+            fallback_index=latest.index if latest else None,
+        )
         self.skip_next = True
 
     # -- planning ------------------------------------------------------------------------
@@ -67,44 +71,55 @@ class MemoryRestore:
         except Exception as e:  # noqa: BLE001 - the last polled view is still a valid plan input
             logger.debug("snapshot holdings not refreshed before the restore plan: %s", e)
 
-    def plan(self, members: Sequence[WorkerHandle], restart_count: int,
-             latest: Optional[CommittedCheckpoint]) -> RestoreInfo:
+    def plan(
+        self, members: Sequence[WorkerHandle], restart_count: int, latest: Optional[CommittedCheckpoint]
+    ) -> RestoreInfo:
         """Newest state every member can get: an in-memory snapshot all snapshot holders
         share and whose shards they cover together (holders send what others lack), else
         ``latest``, the last valid committed checkpoint in storage."""
         return plan_restore(members, restart_count, latest, self.skip_next)
 
-    def record(self, epoch: int, members: Sequence[WorkerHandle], restore: RestoreInfo,
-               latest: Optional[CommittedCheckpoint]) -> None:
+    def record(
+        self, epoch: int, members: Sequence[WorkerHandle], restore: RestoreInfo, latest: Optional[CommittedCheckpoint]
+    ) -> None:
         """Say where the group of ``epoch`` restores from (and, when it is storage although
         members held snapshots, why). The members then drop the snapshots newer than
         ``restore.index`` (the controller then clears ``skip_next``)."""
         if restore.memory_index is not None:
-            self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=restore.index,
-                              source="memory", broadcast=restore.broadcast,
-                              striped=any(restore.index in m.stripes for m in members))
+            self._events.emit(
+                EventKind.CHECKPOINT_RESTORED,
+                epoch=epoch,
+                index=restore.index,
+                source="memory",
+                broadcast=restore.broadcast,
+                striped=any(restore.index in m.stripes for m in members),
+            )
         else:
             self._explain_storage_restore(members, latest)
             if latest:
-                self._events.emit(EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=latest.index,
-                                  path=latest.rel, source="storage")
+                self._events.emit(
+                    EventKind.CHECKPOINT_RESTORED, epoch=epoch, index=latest.index, path=latest.rel, source="storage"
+                )
 
-    def _explain_storage_restore(self, members: Sequence[WorkerHandle],
-                                 latest: Optional[CommittedCheckpoint]) -> None:
+    def _explain_storage_restore(self, members: Sequence[WorkerHandle], latest: Optional[CommittedCheckpoint]) -> None:
         """Members held in-memory snapshots, yet the group restores from storage: say why
         in the event log (a node and its snapshot peer lost, or no shared snapshot)."""
         reason = None if self.skip_next else why_storage(members, latest)
         if reason is None:
             return
         why, newest = reason
-        self._events.emit(EventKind.DECISION, f"{why}; restoring from "
-                          + (f"checkpoint {latest.index} in storage" if latest else "the start"),
-                          decision="memory_restore_impossible", snapshot_index=newest,
-                          fallback_index=latest.index if latest else 0)
+        self._events.emit(
+            EventKind.DECISION,
+            f"{why}; restoring from " + (f"checkpoint {latest.index} in storage" if latest else "the start"),
+            decision="memory_restore_impossible",
+            snapshot_index=newest,
+            fallback_index=latest.index if latest else 0,
+        )
 
     # -- keeping snapshots while workers leave ---------------------------------------------
-    def evacuate(self, members: Sequence[WorkerHandle], leaving: Sequence[WorkerHandle],
-                 index: int, epoch: int) -> None:
+    def evacuate(
+        self, members: Sequence[WorkerHandle], leaving: Sequence[WorkerHandle], index: int, epoch: int
+    ) -> None:
         """Keep snapshot ``index`` when leaving members hold shards of it the staying ones
         lack: their shards move to a staying holder, or, when every holder is leaving
         (all members were on draining nodes), the snapshot is assembled on one of them
@@ -119,18 +134,30 @@ class MemoryRestore:
             if not self._gather(target, holders, index):
                 return
             if target in staying:
-                self._events.emit(EventKind.DECISION, f"moved the leaving workers' shards of snapshot "
-                                  f"{index} to rank {target.prev_rank} before their nodes go",
-                                  decision="evacuate", index=index, to_rank=target.prev_rank)
+                self._events.emit(
+                    EventKind.DECISION,
+                    f"moved the leaving workers' shards of snapshot "
+                    f"{index} to rank {target.prev_rank} before their nodes go",
+                    decision="evacuate",
+                    index=index,
+                    to_rank=target.prev_rank,
+                )
                 return
             out = self._group.persist_snapshot(target, index, epoch)
             if self._ckpt.commit_evacuation(index, out.rel, out.files, out.upload_s) is None:
-                logger.warning("snapshot %s was persisted to %s but not committed (not a checkpoint "
-                               "directory of this run)", index, out.rel)
+                logger.warning(
+                    "snapshot %s was persisted to %s but not committed (not a checkpoint directory of this run)",
+                    index,
+                    out.rel,
+                )
                 return
-            self._events.emit(EventKind.DECISION, f"no remaining worker holds snapshot {index}: "
-                              f"persisted it to storage before the node goes", decision="evacuate",
-                              index=index, upload_s=round(out.upload_s, 3))
+            self._events.emit(
+                EventKind.DECISION,
+                f"no remaining worker holds snapshot {index}: persisted it to storage before the node goes",
+                decision="evacuate",
+                index=index,
+                upload_s=round(out.upload_s, 3),
+            )
         except Interrupted:
             raise
         except Exception as e:  # noqa: BLE001 - fall back to the last committed checkpoint
@@ -162,9 +189,13 @@ class MemoryRestore:
         except Exception as e:  # noqa: BLE001 - the restore then falls back as planned
             logger.warning("could not move snapshot %s's shards off hung rank %s: %s", index, hung.prev_rank, e)
             return
-        self._events.emit(EventKind.DECISION, f"moved hung rank {hung.prev_rank}'s shards of snapshot "
-                          f"{index} to rank {to.prev_rank} before replacing it", decision="evacuate",
-                          index=index, to_rank=to.prev_rank)
+        self._events.emit(
+            EventKind.DECISION,
+            f"moved hung rank {hung.prev_rank}'s shards of snapshot {index} to rank {to.prev_rank} before replacing it",
+            decision="evacuate",
+            index=index,
+            to_rank=to.prev_rank,
+        )
 
     def _gather(self, target: WorkerHandle, holders: List[WorkerHandle], index: int) -> bool:
         """Merge other holders' shards of snapshot ``index`` into ``target`` until it holds
@@ -178,8 +209,12 @@ class MemoryRestore:
             if m is not target:
                 self._merge(m, target, index)
         if not is_whole(target.holding(index)):
-            logger.warning("snapshot %s is still not whole on rank %s after merging (%s)",
-                           index, target.prev_rank, target.holding(index))
+            logger.warning(
+                "snapshot %s is still not whole on rank %s after merging (%s)",
+                index,
+                target.prev_rank,
+                target.holding(index),
+            )
             return False
         return True
 

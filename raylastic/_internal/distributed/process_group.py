@@ -52,8 +52,12 @@ def host_store(host: str, world_size: int, timeout_s: float) -> int:
         sock.bind((host, 0))
         sock.listen(1024)
         _store = dist.TCPStore(
-            host, sock.getsockname()[1], world_size, is_master=True,
-            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+            host,
+            sock.getsockname()[1],
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
             master_listen_fd=os.dup(sock.fileno()),
         )
     return _store.port
@@ -67,8 +71,9 @@ class JoinCancelled(RuntimeError):
 ROLL_CALL_SLICE_S = 0.2
 
 
-def roll_call(store, rank: int, world_size: int, timeout_s: float,
-              cancelled: Optional[Callable[[], bool]] = None) -> None:
+def roll_call(
+    store, rank: int, world_size: int, timeout_s: float, cancelled: Optional[Callable[[], bool]] = None
+) -> None:
     """Wait until every rank of the group has arrived (each sets ``rollcall/<rank>``),
     checking ``cancelled`` at least every ``ROLL_CALL_SLICE_S / 4``.
 
@@ -93,9 +98,19 @@ def roll_call(store, rank: int, world_size: int, timeout_s: float,
         pause = min(ROLL_CALL_SLICE_S / 4, pause * 2)
 
 
-def init_group(*, epoch: int, rank: int, world_size: int, master_addr: str, master_port: int,
-               backend: str, timeout_s: float, local_rank: int, local_world_size: int,
-               cancelled: Optional[Callable[[], bool]] = None) -> None:
+def init_group(
+    *,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    backend: str,
+    timeout_s: float,
+    local_rank: int,
+    local_world_size: int,
+    cancelled: Optional[Callable[[], bool]] = None,
+) -> None:
     """Join the epoch's process group (blocks until every rank joined or timeout, or
     until ``cancelled()`` while ranks are still missing: ``JoinCancelled``)."""
     global _group_conns, _epoch_store
@@ -109,8 +124,11 @@ def init_group(*, epoch: int, rank: int, world_size: int, master_addr: str, mast
     prefixed = dist.PrefixStore(f"raylastic/epoch-{epoch}", store)
     roll_call(prefixed, rank, world_size, timeout_s, cancelled)
     os.environ.update(
-        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(local_rank),
         LOCAL_WORLD_SIZE=str(local_world_size),
     )
     if backend == "nccl":
@@ -149,8 +167,10 @@ def _track_new_groups() -> None:
         try:
             _record_new_group(group, epoch, store, before)
         except Exception as e:  # noqa: BLE001 - the group works; only an abort cannot reach it
-            logger.warning("connections of a new gloo group not recorded (%s); an abort will not "
-                           "reach an operation blocked in it", e)
+            logger.warning(
+                "connections of a new gloo group not recorded (%s); an abort will not reach an operation blocked in it",
+                e,
+            )
         return group
 
     dist.new_group = new_group
@@ -160,8 +180,9 @@ def _record_new_group(group: Any, epoch: int, store: Any, before: set) -> None:
     global _group_conns
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_backend(group) != "gloo":
         return
-    conns = _gloo_connections(store, dist.get_rank(), dist.get_process_group_ranks(group), before,
-                              tag=f"{group.group_name}/")
+    conns = _gloo_connections(
+        store, dist.get_rank(), dist.get_process_group_ranks(group), before, tag=f"{group.group_name}/"
+    )
     if _group_conns[0] == epoch:  # swapped whole: an abort never sees half of it
         _group_conns = (epoch, {**_group_conns[1], **conns})
 
@@ -207,16 +228,17 @@ def _gloo_connections(store, rank: int, ranks: Sequence[int], before: set, tag: 
         for k in keys:
             peers |= {tuple(a) for a in json.loads(store.get(k))}
     except Exception as e:  # noqa: BLE001 - a peer gone already: keep accepted ones
-        logger.warning("gloo listener ports of the other ranks not found (%s); the abort "
-                       "will shut only connections this rank accepted", e)
+        logger.warning(
+            "gloo listener ports of the other ranks not found (%s); the abort "
+            "will shut only connections this rank accepted",
+            e,
+        )
     mine_ports = {p for _h, p in mine}
 
     def _is_peer(addr: Optional[Tuple[str, int]]) -> bool:
-        return addr is not None and any(
-            addr[1] == p and (h in ("0.0.0.0", "::") or h == addr[0]) for h, p in peers)
+        return addr is not None and any(addr[1] == p and (h in ("0.0.0.0", "::") or h == addr[0]) for h, p in peers)
 
-    return {s.fd: s.inode for s in new
-            if not s.listening and (s.local[1] in mine_ports or _is_peer(s.peer))}
+    return {s.fd: s.inode for s in new if not s.listening and (s.local[1] in mine_ports or _is_peer(s.peer))}
 
 
 def _describe(before: set) -> List[_Sock]:
@@ -316,6 +338,7 @@ def destroy_group() -> None:
         # DeepSpeed caches groups derived from the default one; the next
         # deepspeed.initialize (at the new world size) must build them anew.
         from raylastic._internal.snapshots.sharded.deepspeed import release_deepspeed_groups
+
         release_deepspeed_groups()
 
 

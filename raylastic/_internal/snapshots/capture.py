@@ -85,7 +85,7 @@ def leaves(obj: Any) -> List[torch.Tensor]:
         if isinstance(o, torch.Tensor):
             out.append(o)
         elif type(o) in _PLAIN:
-            for v in (o.values() if isinstance(o, dict) else o):
+            for v in o.values() if isinstance(o, dict) else o:
                 walk(v)
         else:
             node = _node(o)
@@ -163,14 +163,24 @@ def clone_to_cpu(obj: Any) -> Any:
 def _host_buffer(dst: Any, src: torch.Tensor) -> torch.Tensor:
     """``dst`` when it can hold ``src``, else a new host tensor (pinned for CUDA sources:
     an asynchronous device-to-host copy needs page-locked memory)."""
-    if (isinstance(dst, torch.Tensor) and dst.shape == src.shape and dst.dtype == src.dtype
-            and dst.device.type == "cpu" and (not src.is_cuda or dst.is_pinned())):
+    if (
+        isinstance(dst, torch.Tensor)
+        and dst.shape == src.shape
+        and dst.dtype == src.dtype
+        and dst.device.type == "cpu"
+        and (not src.is_cuda or dst.is_pinned())
+    ):
         return dst  # (a pageable buffer, e.g. one received on a restore, would make it synchronous)
     return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
 
 
-def plan_copy(dst: Any, src: Any, defer: Callable[[torch.Tensor], bool], pending: List[Pair],
-              keep: Callable[[torch.Tensor], bool] = lambda _t: True) -> Any:
+def plan_copy(
+    dst: Any,
+    src: Any,
+    defer: Callable[[torch.Tensor], bool],
+    pending: List[Pair],
+    keep: Callable[[torch.Tensor], bool] = lambda _t: True,
+) -> Any:
     """Mirror the state dict ``src`` in host buffers (reusing ``dst``'s where shapes
     match). Tensors for which ``defer(t)`` is true are only *planned*: their
     (buffer, source) pair goes to ``pending`` for a later copy; the rest are copied now.
@@ -338,8 +348,9 @@ class StateCopier(CopyWaiter):
     copied at once. Without it, everything is copied before ``copy()`` returns.
     """
 
-    def __init__(self, model: Optional[torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
-                 overlap: bool = True):
+    def __init__(
+        self, model: Optional[torch.nn.Module], optimizer: Optional[torch.optim.Optimizer], overlap: bool = True
+    ):
         super().__init__()
         self._model = model
         self._objs = {k: o for k, o in (("model", model), ("optimizer", optimizer)) if o is not None}
@@ -347,8 +358,9 @@ class StateCopier(CopyWaiter):
         if self.overlap and optimizer is not None:
             optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.wait())
 
-    def copy(self, old: Optional[dict], on_done: Callable[[Optional[BaseException]], None],
-             holding: Holding = WHOLE) -> Tuple[dict, Callable[[], None]]:
+    def copy(
+        self, old: Optional[dict], on_done: Callable[[Optional[BaseException]], None], holding: Holding = WHOLE
+    ) -> Tuple[dict, Callable[[], None]]:
         """Host buffers for the state dicts (``old``'s where they fit) and a ``start``
         function. Call ``start()`` once the buffers are stored where readers will look:
         ``on_done(error)`` runs when every byte is copied (maybe at once, maybe later in

@@ -33,8 +33,10 @@ def shard_file(rank: int) -> str:
 def save_whole(snap: Any, directory: str) -> None:
     """Write ``snap``'s restorable part; it must be a whole copy."""
     if not is_whole(snap.holding):
-        raise RuntimeError(f"snapshot {snap.index} holds only shards {snap.holding[1]} of "
-                           f"{snap.holding[0]}: assemble it before writing it to storage")
+        raise RuntimeError(
+            f"snapshot {snap.index} holds only shards {snap.holding[1]} of "
+            f"{snap.holding[0]}: assemble it before writing it to storage"
+        )
     torch.save({"plain": snap.plain, "tensors": snap.tensors}, os.path.join(directory, STATE_FILE))
 
 
@@ -61,11 +63,13 @@ def whole_writer(snap: Any) -> Callable[[str], None]:
 def shard_writer(snap: Any, rank: int, root: str, with_plain: bool) -> Callable[[str], None]:
     """Writes ``rank``'s own shard of the sharded snapshot ``snap`` (its tensors and layout
     under ``root``); ``with_plain`` (rank 0): and the plain state."""
+
     def files(directory: str) -> None:
         layout = snap.plain[root]["layout"]
         os.makedirs(os.path.join(directory, SHARD_DIR), exist_ok=True)
-        torch.save({"chunks": layout[rank], "tensors": snap.tensors[root][rank]},
-                   os.path.join(directory, shard_file(rank)))
+        torch.save(
+            {"chunks": layout[rank], "tensors": snap.tensors[root][rank]}, os.path.join(directory, shard_file(rank))
+        )
         if with_plain:
             torch.save({"plain": snap.plain, "tensors": {}}, os.path.join(directory, STATE_FILE))
 
@@ -81,8 +85,7 @@ def read_state(directory: str) -> Optional[Dict[str, Any]]:
     return torch.load(path, weights_only=True)
 
 
-def read_shards(directory: str, layout: Dict[int, List[Any]], inline: Optional[Dict[int, Any]]
-                ) -> Dict[int, Any]:
+def read_shards(directory: str, layout: Dict[int, List[Any]], inline: Optional[Dict[int, Any]]) -> Dict[int, Any]:
     """Old rank -> its shard file (``{"chunks", "tensors"}``), memory-mapped: only the
     overlapping bytes are read. ``inline``: shards carried in ``elastic_state.pt`` itself."""
     files: Dict[int, Any] = {}
@@ -97,5 +100,13 @@ def read_shards(directory: str, layout: Dict[int, List[Any]], inline: Optional[D
     return files
 
 
-__all__ = ["STATE_FILE", "SHARD_DIR", "shard_file", "save_whole", "whole_writer", "shard_writer",
-           "read_state", "read_shards"]
+__all__ = [
+    "STATE_FILE",
+    "SHARD_DIR",
+    "shard_file",
+    "save_whole",
+    "whole_writer",
+    "shard_writer",
+    "read_state",
+    "read_shards",
+]

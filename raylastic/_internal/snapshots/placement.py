@@ -81,8 +81,8 @@ def covered(holdings: Sequence[Optional[Holding]]) -> bool:
 
 
 def restore_from_memory_possible(
-        indices_per_member: Mapping[int, Sequence[int]],
-        stripes_per_member: Optional[Mapping[int, Mapping[int, Holding]]] = None,
+    indices_per_member: Mapping[int, Sequence[int]],
+    stripes_per_member: Optional[Mapping[int, Mapping[int, Holding]]] = None,
 ) -> Optional[int]:
     """The newest snapshot index every member that holds snapshots has and whose
     shards those members together cover. ``stripes_per_member``: member -> index ->
@@ -125,5 +125,15 @@ def held_shards(world: int, stripe: Sequence[int], rank: int) -> Tuple[int, ...]
     return tuple([rank] + sorted(mine - {rank}))
 
 
-__all__ = ["Holding", "WHOLE", "HOLDS_NONE", "is_whole", "union", "plan_stripes", "covered",
-           "restore_from_memory_possible", "shard_of_leaves", "held_shards"]
+__all__ = [
+    "Holding",
+    "WHOLE",
+    "HOLDS_NONE",
+    "is_whole",
+    "union",
+    "plan_stripes",
+    "covered",
+    "restore_from_memory_possible",
+    "shard_of_leaves",
+    "held_shards",
+]

@@ -19,24 +19,35 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from raylastic._internal.protocol import RestoreInfo
 from raylastic._internal.snapshots.placement import (
-    Holding, covered, is_whole, restore_from_memory_possible, union,
+    Holding,
+    covered,
+    is_whole,
+    restore_from_memory_possible,
+    union,
 )
 
 
-def plan_restore(members: Sequence[Any], restart_count: int, latest: Optional[Any], skip_memory: bool
-                 ) -> RestoreInfo:
+def plan_restore(members: Sequence[Any], restart_count: int, latest: Optional[Any], skip_memory: bool) -> RestoreInfo:
     """Newest state every member can get: an in-memory snapshot all snapshot holders
     share and whose shards they cover together (holders send what others lack), else
     ``latest``, the last valid committed checkpoint in storage. ``skip_memory``: the last
     in-memory snapshot did not fit the train function's objects."""
-    mem = None if skip_memory else restore_from_memory_possible(
-        {m.wid: m.snapshots for m in members}, {m.wid: m.stripes for m in members})
+    mem = (
+        None
+        if skip_memory
+        else restore_from_memory_possible({m.wid: m.snapshots for m in members}, {m.wid: m.stripes for m in members})
+    )
     if mem is not None and (latest is None or mem >= latest.index):
-        return RestoreInfo(checkpoint_rel=latest.rel if latest else None, index=mem,
-                           restart_count=restart_count, memory_index=mem,
-                           broadcast=any(mem not in m.snapshots or mem in m.stripes for m in members))
-    return RestoreInfo(checkpoint_rel=latest.rel if latest else None,
-                       index=latest.index if latest else 0, restart_count=restart_count)
+        return RestoreInfo(
+            checkpoint_rel=latest.rel if latest else None,
+            index=mem,
+            restart_count=restart_count,
+            memory_index=mem,
+            broadcast=any(mem not in m.snapshots or mem in m.stripes for m in members),
+        )
+    return RestoreInfo(
+        checkpoint_rel=latest.rel if latest else None, index=latest.index if latest else 0, restart_count=restart_count
+    )
 
 
 def why_storage(members: Sequence[Any], latest: Optional[Any]) -> Optional[Tuple[str, Optional[int]]]:
@@ -48,8 +59,10 @@ def why_storage(members: Sequence[Any], latest: Optional[Any]) -> Optional[Tuple
     common = set.intersection(*(set(m.snapshots) for m in holders))
     newest = max(common, default=None)
     if newest is not None and (latest is None or newest > latest.index):
-        return (f"the surviving workers' shards of snapshot {newest} do not cover the state "
-                "(a node and the node holding the second copy of its shard were both lost)"), newest
+        return (
+            f"the surviving workers' shards of snapshot {newest} do not cover the state "
+            "(a node and the node holding the second copy of its shard were both lost)"
+        ), newest
     if newest is None:
         return "the surviving workers share no in-memory snapshot", None
     return None  # the checkpoint in storage is as new as memory: nothing lost
@@ -83,6 +96,7 @@ def rescue_target(hung: Any, stopped: Sequence[Any]) -> Optional[Tuple[int, Any]
     and moving its shards still leaves it uncovered, while the previous snapshot, the
     one the restore can use, stayed split between the hung worker and the others (a
     ZeRO-2 run then restarted from the beginning)."""
+
     def covers_after(index: int, to: Any) -> bool:
         snapshots = {m.wid: m.snapshots for m in stopped}
         stripes = {m.wid: dict(m.stripes) for m in stopped}

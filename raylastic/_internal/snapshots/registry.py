@@ -102,19 +102,27 @@ def check_stateful(stateful: Any) -> Dict[str, Stateful]:
     if stateful is None:
         return {}
     if not isinstance(stateful, Mapping):
-        raise ConfigError(f"ElasticState(stateful={type(stateful).__name__}) must be a dict of name -> object "
-                          "with state_dict() and load_state_dict(). Fix: stateful={'name': obj}.")
+        raise ConfigError(
+            f"ElasticState(stateful={type(stateful).__name__}) must be a dict of name -> object "
+            "with state_dict() and load_state_dict(). Fix: stateful={'name': obj}."
+        )
     for name, obj in stateful.items():
         if not isinstance(name, str) or not name:
-            raise ConfigError(f"ElasticState(stateful=...) has the key {name!r}: names are non-empty strings. "
-                              "Fix: stateful={'name': obj}.")
+            raise ConfigError(
+                f"ElasticState(stateful=...) has the key {name!r}: names are non-empty strings. "
+                "Fix: stateful={'name': obj}."
+            )
         if name in RESERVED:
-            raise ConfigError(f"ElasticState(stateful={{{name!r}: ...}}) takes a name ElasticState has a keyword "
-                              f"for. Fix: pass it as ElasticState({name}=...), or pick another name.")
+            raise ConfigError(
+                f"ElasticState(stateful={{{name!r}: ...}}) takes a name ElasticState has a keyword "
+                f"for. Fix: pass it as ElasticState({name}=...), or pick another name."
+            )
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise ConfigError(f"ElasticState(stateful={{{name!r}: {type(obj).__name__}}}) has no state_dict() and "
-                              "load_state_dict(). Fix: register an object with both (torch modules, optimizers "
-                              "and LR schedulers have them), or wrap it in one.")
+            raise ConfigError(
+                f"ElasticState(stateful={{{name!r}: {type(obj).__name__}}}) has no state_dict() and "
+                "load_state_dict(). Fix: register an object with both (torch modules, optimizers "
+                "and LR schedulers have them), or wrap it in one."
+            )
     return dict(stateful)
 
 
@@ -145,9 +153,13 @@ class Registry:
 
     def plain(self) -> Dict[str, Any]:
         """The snapshot's plain part, checked to load back with ``weights_only=True``."""
-        plain = storable_plain({"attrs": self.attrs.state_dict(),
-                                "_objects": {k: copy.deepcopy(o.state_dict()) for k, o in self.objects.items()}},
-                               self._labels)
+        plain = storable_plain(
+            {
+                "attrs": self.attrs.state_dict(),
+                "_objects": {k: copy.deepcopy(o.state_dict()) for k, o in self.objects.items()},
+            },
+            self._labels,
+        )
         if self.data is not None:  # the split datasets' positions ride with the snapshot
             plain["datasets"] = self.data.state_dict()
         return plain
@@ -171,41 +183,62 @@ def engine_module(engine: Any, model: Any, optimizer: Any) -> Any:
     if engine is None:
         return model
     if model is not None or optimizer is not None:
-        raise ValueError("ElasticState(engine=...) takes the DeepSpeed engine instead of model= and "
-                         "optimizer=: pass engine= alone")
+        raise ValueError(
+            "ElasticState(engine=...) takes the DeepSpeed engine instead of model= and optimizer=: pass engine= alone"
+        )
     module = getattr(engine, "module", None)
     if module is None:
-        raise ValueError(f"ElasticState(engine={type(engine).__name__}) is not a DeepSpeed engine "
-                         "(no .module): pass the engine deepspeed.initialize() returned")
+        raise ValueError(
+            f"ElasticState(engine={type(engine).__name__}) is not a DeepSpeed engine "
+            "(no .module): pass the engine deepspeed.initialize() returned"
+        )
     return module
 
 
-def tensor_half(sess: Any, registry: Registry, model: Any, optimizer: Any, engine: Any,
-                 async_snapshot: bool, striped: bool, lean: bool = False) -> Half:
+def tensor_half(
+    sess: Any,
+    registry: Registry,
+    model: Any,
+    optimizer: Any,
+    engine: Any,
+    async_snapshot: bool,
+    striped: bool,
+    lean: bool = False,
+) -> Half:
     """The sharded half (FSDP2 or DeepSpeed), or the replicated one over the registry's
     model and optimizer. Overlapping the copy with the next step needs a point where it
     must be over: the optimizer's next step(). Without an optimizer, copies are synchronous."""
     adapter: Any
     if engine is not None:
         from raylastic._internal.snapshots.sharded.deepspeed import DeepSpeedAdapter
+
         adapter = DeepSpeedAdapter(engine)
         optimizer = adapter.optimizer  # the torch optimizer inside ZeRO's (it has step hooks)
     else:
         from raylastic._internal.snapshots.sharded.fsdp2 import FSDP2Adapter, uses_dtensors
+
         if not uses_dtensors(model):
             from raylastic._internal.snapshots.replicated import ReplicatedState
+
             if lean:
-                raise ConfigError("ElasticState(lean_snapshots=True) is for sharded models (FSDP2 fully_shard, "
-                                  "DeepSpeed ZeRO through engine=); this model is replicated (DDP), whose "
-                                  "snapshots hold 2/W of the state each with striped=True. Fix: leave "
-                                  "lean_snapshots out, or shard the model")
+                raise ConfigError(
+                    "ElasticState(lean_snapshots=True) is for sharded models (FSDP2 fully_shard, "
+                    "DeepSpeed ZeRO through engine=); this model is replicated (DDP), whose "
+                    "snapshots hold 2/W of the state each with striped=True. Fix: leave "
+                    "lean_snapshots out, or shard the model"
+                )
             registry.add_tensors("model", model)
             registry.add_tensors("optimizer", optimizer)
             return ReplicatedState(registry.tensors, sess, striped=striped, overlap=async_snapshot)
         adapter = FSDP2Adapter(model, optimizer)
     from raylastic._internal.snapshots.sharded.state import ShardedState
-    return ShardedState(adapter, sess, lean=lean, overlap=bool(async_snapshot and optimizer is not None
-                                                               and hasattr(optimizer, "register_step_pre_hook")))
+
+    return ShardedState(
+        adapter,
+        sess,
+        lean=lean,
+        overlap=bool(async_snapshot and optimizer is not None and hasattr(optimizer, "register_step_pre_hook")),
+    )
 
 
 def rng_state() -> Dict[str, Any]:
@@ -217,5 +250,16 @@ def load_rng(rng: Dict[str, Any]) -> None:
     random.setstate(rng["python"])
 
 
-__all__ = ["Stateful", "Half", "Registry", "Attributes", "DataPositions", "check_stateful", "engine_module",
-           "tensor_half", "rng_state", "load_rng", "RESERVED"]
+__all__ = [
+    "Stateful",
+    "Half",
+    "Registry",
+    "Attributes",
+    "DataPositions",
+    "check_stateful",
+    "engine_module",
+    "tensor_half",
+    "rng_state",
+    "load_rng",
+    "RESERVED",
+]

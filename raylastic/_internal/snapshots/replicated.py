@@ -23,7 +23,14 @@ import torch
 import torch.distributed as dist
 
 from raylastic._internal.snapshots.capture import (
-    StateCopier, clone_to_cpu, fingerprint, held_leaves, keep_mask, leaves, map_leaves, to_meta,
+    StateCopier,
+    clone_to_cpu,
+    fingerprint,
+    held_leaves,
+    keep_mask,
+    leaves,
+    map_leaves,
+    to_meta,
 )
 from raylastic._internal.snapshots.persist import whole_writer
 from raylastic._internal.snapshots.placement import HOLDS_NONE, WHOLE, Holding, covered, is_whole
@@ -61,8 +68,7 @@ class ReplicatedState:
         writes this snapshot to storage, or when the group is stopping (a drain or a
         resize: a full copy on every rank, whichever ranks leave)."""
         sess = self._sess
-        if not self._striped or not sess.spec.stripe or (persist and sess.spec.rank == 0) \
-                or sess.stop_requested:
+        if not self._striped or not sess.spec.stripe or (persist and sess.spec.rank == 0) or sess.stop_requested:
             return WHOLE
         return (sess.spec.world_size, tuple(sess.spec.stripe))
 
@@ -82,7 +88,8 @@ class ReplicatedState:
         if snap is None or not is_whole(snap.holding):
             raise RuntimeError(
                 f"rank {sess.spec.rank}: the in-memory snapshot {index} the controller chose "
-                "is not here in full (and no broadcast was planned)")
+                "is not here in full (and no broadcast was planned)"
+            )
         self._load(snap.tensors)
         return snap.plain, snap.rng
 
@@ -93,8 +100,9 @@ class ReplicatedState:
         """Every rank gets all of snapshot ``index``: shards (or all of it) that some
         rank lacks are broadcast from a holder. Workers that joined hold nothing; they
         keep their own RNG streams. This rank's snapshot is completed in place."""
-        tensors, plain = assemble(index, snap.tensors if snap else None, snap.plain if snap else None,
-                                  snap.holding if snap else HOLDS_NONE)
+        tensors, plain = assemble(
+            index, snap.tensors if snap else None, snap.plain if snap else None, snap.holding if snap else HOLDS_NONE
+        )
         if snap is not None:
             # in place (a writer's pins stay on it): the assembled tensors fill the placeholders
             STORE.merge(self._sess.run_rel, index, WHOLE, held_leaves(tensors))
@@ -107,18 +115,22 @@ class ReplicatedState:
     def _load(self, tensors: Dict[str, Any]) -> None:
         missing = set(self._objs) - set(tensors)
         if missing:
-            raise ValueError(f"the saved state has no {sorted(missing)}: it was saved by an "
-                             "ElasticState with other objects registered")
+            raise ValueError(
+                f"the saved state has no {sorted(missing)}: it was saved by an "
+                "ElasticState with other objects registered"
+            )
         for name, obj in self._objs.items():
             try:
                 obj.load_state_dict(clone_to_cpu(tensors[name]))
             except (RuntimeError, ValueError, KeyError) as e:
-                raise ValueError(f"cannot restore {name}: the saved state does not fit it "
-                                 f"(different model shape or optimizer?): {e}") from None
+                raise ValueError(
+                    f"cannot restore {name}: the saved state does not fit it (different model shape or optimizer?): {e}"
+                ) from None
 
 
-def assemble(index: int, tensors: Optional[Any], plain: Optional[Dict[str, Any]],
-             holding: Optional[Holding]) -> Tuple[Any, Dict[str, Any]]:
+def assemble(
+    index: int, tensors: Optional[Any], plain: Optional[Dict[str, Any]], holding: Optional[Holding]
+) -> Tuple[Any, Dict[str, Any]]:
     """Collective over the default process group: every rank ends with all tensors of
     snapshot ``index``. ``tensors``/``plain``: this rank's copy (None when it holds
     none); ``holding``: which shards it holds (``WHOLE`` for a full copy). Returns
@@ -142,8 +154,7 @@ def assemble(index: int, tensors: Optional[Any], plain: Optional[Dict[str, Any]]
     ref = min(r for r, h in enumerate(holdings) if h is not HOLDS_NONE)
     shared = tr.share({"plain": plain, "skeleton": to_meta(tensors)} if rank == ref else None, ref)
     skeleton = shared["skeleton"]
-    masks = [None if h is HOLDS_NONE else (keep_mask(skeleton, h) or [True] * len(leaves(skeleton)))
-             for h in holdings]
+    masks = [None if h is HOLDS_NONE else (keep_mask(skeleton, h) or [True] * len(leaves(skeleton))) for h in holdings]
     own = leaves(tensors) if tensors is not None else None
 
     def fill(j: int, meta: torch.Tensor) -> torch.Tensor:

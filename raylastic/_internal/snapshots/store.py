@@ -64,7 +64,7 @@ class SnapshotStore:
             if self.run != run:
                 self._snaps, self.run = [], run
             older = [s for s in self._snaps if s.index < snap.index]
-            self._snaps = (older[-(self._keep - 1):] if trim else older) + [snap]
+            self._snaps = (older[-(self._keep - 1) :] if trim else older) + [snap]
 
     def trim_lean(self, run: str) -> None:
         """Before a lean commit: keep the newest complete snapshot and the newest voted
@@ -129,8 +129,7 @@ class SnapshotStore:
         """Fill snapshot ``index``'s placeholders with another copy's tensors (by leaf
         position); returns what it holds now (WHOLE: all of it)."""
         with self._lock:
-            snap = next((s for s in self._snaps if self.run == run and s.index == index
-                         and s.complete.is_set()), None)
+            snap = next((s for s in self._snaps if self.run == run and s.index == index and s.complete.is_set()), None)
             if snap is None:
                 raise RuntimeError(f"no complete in-memory snapshot {index} to merge into")
             snap.tensors = map_leaves(snap.tensors, lambda j, t: tensors[j] if t.is_meta and j in tensors else t)

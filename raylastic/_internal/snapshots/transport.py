@@ -145,8 +145,9 @@ class PeerExchange:
                 return
             job()
 
-    def exchange(self, own: Sequence[torch.Tensor], incoming: Mapping[int, Sequence[torch.Tensor]],
-                 index: int = 0) -> None:
+    def exchange(
+        self, own: Sequence[torch.Tensor], incoming: Mapping[int, Sequence[torch.Tensor]], index: int = 0
+    ) -> None:
         """Send ``own`` to every receiver, receive into ``incoming[src]`` (host tensors).
         Tags carry the snapshot index: a peer that skipped a snapshot can only stall this
         exchange (the group timeout fails it), never fill it with another step's shard."""
@@ -166,8 +167,13 @@ class PeerExchange:
         """Whether every rank's peer copy of this snapshot ended well (the lean vote)."""
         return self._transport.all_true(flag)
 
-    def exchange_all(self, own: Sequence[torch.Tensor], incoming: Mapping[int, Sequence[torch.Tensor]],
-                     index: int = 0, stage_bytes: int = 64 << 20) -> Tuple[bool, bool, Optional[BaseException]]:
+    def exchange_all(
+        self,
+        own: Sequence[torch.Tensor],
+        incoming: Mapping[int, Sequence[torch.Tensor]],
+        index: int = 0,
+        stage_bytes: int = 64 << 20,
+    ) -> Tuple[bool, bool, Optional[BaseException]]:
         """:meth:`exchange` for a lean commit, whose ``own`` tensors are the live state
         (CUDA ones are staged through host memory, ``stage_bytes`` at a time). Every
         receive is posted first, and every send and receive is waited for, failed or not:

@@ -28,7 +28,15 @@ from raylastic._internal.cluster.drain import alive_nodes, draining_nodes
 from raylastic._internal.snapshots.placement import Holding, plan_stripes
 from raylastic._internal.worker_group.pool import WorkerHandle, WorkerPool
 from raylastic._internal.worker_group.membership import (  # noqa: F401 - re-exported
-    Formed, GroupFormationError, HungWorker, Interrupted, MembersLost, PollBatch, StopOutcome, local_ranks, order_by_node,
+    Formed,
+    GroupFormationError,
+    HungWorker,
+    Interrupted,
+    MembersLost,
+    PollBatch,
+    StopOutcome,
+    local_ranks,
+    order_by_node,
 )
 from raylastic._internal.worker_group.results import Holdings, PersistedSnapshot, PollResult, StopAnswer
 from raylastic.config import RunConfig, ScalingConfig
@@ -74,13 +82,20 @@ class WorkerGroup:
     @classmethod
     def for_run(cls, scaling: ScalingConfig, run: RunConfig, storage, run_rel: str, run_name: str) -> "WorkerGroup":
         """The group a run's configs describe: ``max_workers`` actors kept alive or pending."""
-        return cls(WorkerPool(
-            target=cast(int, scaling.max_workers),  # set (never None) by ScalingConfig.__post_init__
-            resources=scaling.worker_resources(),
-            use_gpu=scaling.use_gpu, storage=storage, run_rel=run_rel, run_name=run_name,
-            async_upload=run.checkpoint_config.async_upload,
-            persist_every=run.checkpoint_config.persist_every, keep_s=scaling.keep_workers_s or 0.0,
-        ), poll_interval_s=run.poll_interval_s)
+        return cls(
+            WorkerPool(
+                target=cast(int, scaling.max_workers),  # set (never None) by ScalingConfig.__post_init__
+                resources=scaling.worker_resources(),
+                use_gpu=scaling.use_gpu,
+                storage=storage,
+                run_rel=run_rel,
+                run_name=run_name,
+                async_upload=run.checkpoint_config.async_upload,
+                persist_every=run.checkpoint_config.persist_every,
+                keep_s=scaling.keep_workers_s or 0.0,
+            ),
+            poll_interval_s=run.poll_interval_s,
+        )
 
     # -- the pool's lifecycle ---------------------------------------------------------
     def refresh(self) -> List[WorkerHandle]:
@@ -153,8 +168,7 @@ class WorkerGroup:
             self.check_interrupt()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise GetTimeoutError(f"{len(pending)} of {len(refs)} workers gave no answer "
-                                      f"within {timeout_s} s")
+                raise GetTimeoutError(f"{len(pending)} of {len(refs)} workers gave no answer within {timeout_s} s")
             ready, pending = ray.wait(pending, num_returns=1, timeout=min(SLICE_S, left))
             for ref in ready:
                 ray.get(ref)  # raises the member's error now
@@ -172,10 +186,20 @@ class WorkerGroup:
             node_ranks, local = local_ranks(members)
             stripes = plan_stripes([m.node_id for m in members])  # used by ElasticState(striped=True)
             specs = [
-                GroupSpec(epoch=epoch, rank=r, world_size=world, local_rank=local[m.wid][0],
-                          local_world_size=local[m.wid][1], node_rank=node_ranks[m.node_id],
-                          master_addr=addr["addr"], master_port=addr["port"], backend=backend,
-                          timeout_s=GROUP_TIMEOUT_S, stripe=stripes[r] if stripes else (), max_workers=self.pool.max_workers)
+                GroupSpec(
+                    epoch=epoch,
+                    rank=r,
+                    world_size=world,
+                    local_rank=local[m.wid][0],
+                    local_world_size=local[m.wid][1],
+                    node_rank=node_ranks[m.node_id],
+                    master_addr=addr["addr"],
+                    master_port=addr["port"],
+                    backend=backend,
+                    timeout_s=GROUP_TIMEOUT_S,
+                    stripe=stripes[r] if stripes else (),
+                    max_workers=self.pool.max_workers,
+                )
                 for r, m in enumerate(members)
             ]
             self._get_all([m.actor.setup_group.remote(s) for m, s in zip(members, specs)], GROUP_TIMEOUT_S + 10)
@@ -198,15 +222,21 @@ class WorkerGroup:
         self._full_poll_at = float("-inf")
         return Formed(members, specs)
 
-    def start(self, formed: Formed, train_func: Callable, config: Optional[Dict[str, Any]],
-              restore: RestoreInfo) -> None:
+    def start(
+        self, formed: Formed, train_func: Callable, config: Optional[Dict[str, Any]], restore: RestoreInfo
+    ) -> None:
         """Enter the train function on every member; ``MembersLost`` if some are gone
         (the others may have started)."""
-        self._call_all(formed.members, lambda m, s: m.actor.start.remote(train_func, config, s, restore),
-                       GROUP_TIMEOUT_S, formed.specs)
+        self._call_all(
+            formed.members,
+            lambda m, s: m.actor.start.remote(train_func, config, s, restore),
+            GROUP_TIMEOUT_S,
+            formed.specs,
+        )
 
-    def _call_all(self, members: Sequence[WorkerHandle], call: Callable, timeout_s: float,
-                  args: Optional[Sequence[Any]] = None) -> List[Any]:
+    def _call_all(
+        self, members: Sequence[WorkerHandle], call: Callable, timeout_s: float, args: Optional[Sequence[Any]] = None
+    ) -> List[Any]:
         """``call(member[, arg])`` on every member and wait for all answers. A member
         that died or does not answer turns into ``MembersLost`` (after a probe says which
         are gone), so the caller treats it as a loss, not as a controller crash."""
@@ -304,8 +334,9 @@ class WorkerGroup:
             dead[refs[ref].wid] = None
         return dead
 
-    def wait_for_dead_peer(self, others: Sequence[WorkerHandle], grace_s: float,
-                           silent_is_dead: bool = True) -> Dict[int, Optional[BaseException]]:
+    def wait_for_dead_peer(
+        self, others: Sequence[WorkerHandle], grace_s: float, silent_is_dead: bool = True
+    ) -> Dict[int, Optional[BaseException]]:
         """A rank raised: was it because a peer vanished? Look for a dead peer for up to ``grace_s``;
         returns the dead ones (wid -> cause), maybe none. One that does not answer counts only with
         ``silent_is_dead``: a live peer on a busy machine can take over a second (a false loss, seen)."""
@@ -404,8 +435,7 @@ class WorkerGroup:
         out = {}
         for m in hung:
             parts = []
-            for label, ref in (("abort shut {} group connection(s)", aborts.get(m.wid)),
-                               ("{}", stacks[m.wid])):
+            for label, ref in (("abort shut {} group connection(s)", aborts.get(m.wid)), ("{}", stacks[m.wid])):
                 if ref is None:
                     continue
                 try:
@@ -441,8 +471,9 @@ class WorkerGroup:
     def merge_shards(self, frm: WorkerHandle, to: WorkerHandle, index: int) -> Holding:
         """Copy ``frm``'s shards of snapshot ``index`` into ``to``'s copy (over Ray);
         returns what ``to`` holds now, and records it on ``to``."""
-        have = tuple(self._get(to.actor.merge_snapshot.remote(index, frm.actor.export_snapshot.remote(index)),
-                               JOIN_TIMEOUT_S))
+        have = tuple(
+            self._get(to.actor.merge_snapshot.remote(index, frm.actor.export_snapshot.remote(index)), JOIN_TIMEOUT_S)
+        )
         to.set_holding(index, have)
         return have
 

@@ -153,9 +153,18 @@ def ensure_keeper() -> Any:
     global _held
     key = _job_key()
     if _held is None or _held[0] != key:  # none yet, or one of an earlier job: gone with it
-        _held = (key, ray.remote(WorkerKeeper).options(
-            name=keeper_name(), num_cpus=0, max_concurrency=4, max_restarts=0, resources={HEAD_RESOURCE: 0.001},
-        ).remote())
+        _held = (
+            key,
+            ray.remote(WorkerKeeper)
+            .options(
+                name=keeper_name(),
+                num_cpus=0,
+                max_concurrency=4,
+                max_restarts=0,
+                resources={HEAD_RESOURCE: 0.001},
+            )
+            .remote(),
+        )
     return _held[1]
 
 

@@ -40,7 +40,8 @@ def check_protocol(info: WorkerInfo) -> None:
             f"the worker on node {info.get('node_id')} ({info.get('hostname')}) runs raylastic "
             f"{info.get('raylastic_version', 'older than 0.1.0')} (worker protocol {info.get('protocol')}); "
             f"this controller runs raylastic {__version__} (protocol {PROTOCOL_VERSION}). Fix: install "
-            "the same raylastic on every node (pin it in the cluster's setup commands or image).")
+            "the same raylastic on every node (pin it in the cluster's setup commands or image)."
+        )
 
 
 @dataclass
@@ -80,9 +81,19 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, *, target: int, resources: Dict[str, float], use_gpu: bool, storage,
-                 run_rel: str, run_name: str, async_upload: bool = True,
-                 persist_every: Optional[int] = None, keep_s: float = 0.0):
+    def __init__(
+        self,
+        *,
+        target: int,
+        resources: Dict[str, float],
+        use_gpu: bool,
+        storage,
+        run_rel: str,
+        run_name: str,
+        async_upload: bool = True,
+        persist_every: Optional[int] = None,
+        keep_s: float = 0.0,
+    ):
         self._resources = dict(resources)
         self._use_gpu = use_gpu
         self._init_args = (storage, run_rel, run_name, async_upload, persist_every)
@@ -98,8 +109,7 @@ class WorkerPool:
         self.targets: Dict[Optional[str], int] = {None: target}
         self.max_workers = target  # the run's max_workers (targets change under a capacity policy)
 
-    def set_targets(self, targets: Dict[Optional[str], int],
-                    protect: List[WorkerHandle]) -> List[WorkerHandle]:
+    def set_targets(self, targets: Dict[Optional[str], int], protect: List[WorkerHandle]) -> List[WorkerHandle]:
         """Change how many workers of each node type to keep; surplus pending actors go
         first, then idle ready ones. Members of the running group (``protect``) stay.
         Returns the *ready* workers removed (their node slots are given back)."""
@@ -108,17 +118,18 @@ class WorkerPool:
         released: List[WorkerHandle] = []
         for t in {h.node_type for h in self.workers.values()}:
             surplus = self.count(t) - self.targets.get(t, 0)
-            victims = sorted((h for h in self.workers.values() if h.node_type == t and h.wid not in keep),
-                             key=lambda h: (h.ready, -h.wid))
-            for h in victims[:max(0, surplus)]:
+            victims = sorted(
+                (h for h in self.workers.values() if h.node_type == t and h.wid not in keep),
+                key=lambda h: (h.ready, -h.wid),
+            )
+            for h in victims[: max(0, surplus)]:
                 if h.ready:
                     released.append(h)
                 self.remove(h, kill=True)
         return released
 
     def count(self, node_type: Optional[str], ready_only: bool = False) -> int:
-        return sum(1 for h in self.workers.values()
-                   if h.node_type == node_type and (h.ready or not ready_only))
+        return sum(1 for h in self.workers.values() if h.node_type == node_type and (h.ready or not ready_only))
 
     def _actor_options(self, node_type: Optional[str] = None) -> Dict[str, Any]:
         res = dict(self._resources)
@@ -161,8 +172,9 @@ class WorkerPool:
         options = self._actor_options(node_type)
         if self._keeper is not None:
             try:
-                return ray.get(self._keeper.lease.remote(_options_key(options), options, self._init_args, n),
-                               timeout=KEEPER_CALL_S)
+                return ray.get(
+                    self._keeper.lease.remote(_options_key(options), options, self._init_args, n), timeout=KEEPER_CALL_S
+                )
             except Exception as e:  # noqa: BLE001 - the keeper is a shortcut, never a failure
                 logger.warning("the worker keeper did not answer (%s); starting workers here", e)
                 self._keeper = None
@@ -230,8 +242,10 @@ class WorkerPool:
                 except Exception:  # noqa: BLE001 - gone or broken: killed below
                     pass
             try:
-                ray.get([self._keeper.keep.remote(key, actors, self._keep_s) for key, actors in kept.items()],
-                        timeout=KEEPER_CALL_S)
+                ray.get(
+                    [self._keeper.keep.remote(key, actors, self._keep_s) for key, actors in kept.items()],
+                    timeout=KEEPER_CALL_S,
+                )
             except Exception as e:  # noqa: BLE001
                 logger.warning("the worker keeper did not take the run's workers (%s); ending them", e)
                 for actors in kept.values():

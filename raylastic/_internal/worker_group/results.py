@@ -23,8 +23,11 @@ from raylastic.errors import RankFailure
 def rank_errors(members: Sequence[Any], results: Mapping[int, PollResult], epoch: int) -> List[RankFailure]:
     """The ranks among ``members`` whose train function raised, as the failure policy
     and ``TrainingFailedError`` see them."""
-    return [RankFailure(m.prev_rank, epoch, "error", results[m.wid].error or "", results[m.wid].traceback)
-            for m in members if m.wid in results and results[m.wid].status == WorkerStatus.ERROR]
+    return [
+        RankFailure(m.prev_rank, epoch, "error", results[m.wid].error or "", results[m.wid].traceback)
+        for m in members
+        if m.wid in results and results[m.wid].status == WorkerStatus.ERROR
+    ]
 
 
 def cause_text(cause: Optional[BaseException]) -> str:
@@ -38,14 +41,41 @@ def cause_text(cause: Optional[BaseException]) -> str:
 # What a rank raises when a peer vanished under it (a collective, the TCP store, a peer
 # copy): torch.distributed's errors, socket errors, timeouts, by the type name the worker
 # reports, or any message naming the transport.
-COLLATERAL_TYPES = frozenset({
-    "DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "DistQueueEmptyError",
-    "ConnectionError", "ConnectionResetError", "ConnectionAbortedError", "ConnectionRefusedError",
-    "BrokenPipeError", "TimeoutError", "OSError", "JoinCancelled", "RayActorError", "ActorDiedError",
-    "ActorUnavailableError",
-})
-COLLATERAL_WORDS = ("gloo", "nccl", "connection", "peer", "socket", "broken pipe", "timed out", "timeout",
-                    "store", "process group", "collective", "abort", "actor")
+COLLATERAL_TYPES = frozenset(
+    {
+        "DistError",
+        "DistBackendError",
+        "DistNetworkError",
+        "DistStoreError",
+        "DistQueueEmptyError",
+        "ConnectionError",
+        "ConnectionResetError",
+        "ConnectionAbortedError",
+        "ConnectionRefusedError",
+        "BrokenPipeError",
+        "TimeoutError",
+        "OSError",
+        "JoinCancelled",
+        "RayActorError",
+        "ActorDiedError",
+        "ActorUnavailableError",
+    }
+)
+COLLATERAL_WORDS = (
+    "gloo",
+    "nccl",
+    "connection",
+    "peer",
+    "socket",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "store",
+    "process group",
+    "collective",
+    "abort",
+    "actor",
+)
 
 
 def maybe_collateral(f: RankFailure) -> bool:
@@ -55,4 +85,3 @@ def maybe_collateral(f: RankFailure) -> bool:
     run need not wait the full classification grace to fail with it."""
     name = f.message.partition(":")[0].strip().rsplit(".", 1)[-1]
     return name in COLLATERAL_TYPES or any(w in f.message.lower() for w in COLLATERAL_WORDS)
-

@@ -98,5 +98,7 @@ def _forget_dtensor_sharding() -> None:
         if clear_native is not None:  # (torch releases without the C++ fast path lack it)
             clear_native()
     except Exception:  # noqa: BLE001 - torch moved them: say so, the attempt still runs
-        logger.warning("could not clear DTensor's sharding caches; an FSDP2 survivor whose rank "
-                       "changed may keep its old mesh", exc_info=True)
+        logger.warning(
+            "could not clear DTensor's sharding caches; an FSDP2 survivor whose rank changed may keep its old mesh",
+            exc_info=True,
+        )

@@ -35,7 +35,11 @@ from raylastic._internal.snapshots.placement import Holding
 from raylastic._internal.protocol import PROTOCOL_VERSION, ExportedShards, StoreAddress, WorkerInfo
 from raylastic._internal.worker_group.train_thread import TrainThread
 from raylastic._internal.worker_group.results import (
-    Holdings, PersistedSnapshot, PollResult, StopAnswer, WorkerStatus,
+    Holdings,
+    PersistedSnapshot,
+    PollResult,
+    StopAnswer,
+    WorkerStatus,
 )
 
 if TYPE_CHECKING:
@@ -79,8 +83,9 @@ JOIN_DELAY_ENV = "RAYLASTIC_TESTING_JOIN_DELAY_S"
 class TrainWorker:
     """Ray actor body (wrapped with ``ray.remote`` by the worker group)."""
 
-    def __init__(self, storage, run_rel: str, run_name: str, async_upload: bool = True,
-                 persist_every: Optional[int] = None):
+    def __init__(
+        self, storage, run_rel: str, run_name: str, async_upload: bool = True, persist_every: Optional[int] = None
+    ):
         import torch  # noqa: F401 - pay the import once per process, not per attempt
 
         ray_train_routes.route_on_import()  # before any train function is unpickled here
@@ -94,16 +99,16 @@ class TrainWorker:
         self._bind(storage, run_rel, run_name, async_upload, persist_every)
 
     # -- the run it serves ---------------------------------------------------------
-    def rebind(self, storage, run_rel: str, run_name: str, async_upload: bool = True,
-               persist_every: Optional[int] = None) -> WorkerInfo:
+    def rebind(
+        self, storage, run_rel: str, run_name: str, async_upload: bool = True, persist_every: Optional[int] = None
+    ) -> WorkerInfo:
         """A kept worker (``ScalingConfig.keep_workers_s``), released by the run before,
         serves run ``run_rel`` from now on. Answers ``info()``, so that the controller's
         first call follows it (a threaded actor's calls may run out of order)."""
         self._bind(storage, run_rel, run_name, async_upload, persist_every)
         return self.info()
 
-    def _bind(self, storage, run_rel: str, run_name: str, async_upload: bool,
-              persist_every: Optional[int]) -> None:
+    def _bind(self, storage, run_rel: str, run_name: str, async_upload: bool, persist_every: Optional[int]) -> None:
         if self._train.busy():
             raise RuntimeError("rebind while the train function is still running")
         self._storage = storage
@@ -194,9 +199,14 @@ class TrainWorker:
         from raylastic._internal.distributed import process_group
 
         process_group.init_group(
-            epoch=spec.epoch, rank=spec.rank, world_size=spec.world_size,
-            master_addr=spec.master_addr, master_port=spec.master_port, backend=spec.backend,
-            timeout_s=spec.timeout_s, local_rank=spec.local_rank,
+            epoch=spec.epoch,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            master_addr=spec.master_addr,
+            master_port=spec.master_port,
+            backend=spec.backend,
+            timeout_s=spec.timeout_s,
+            local_rank=spec.local_rank,
             local_world_size=spec.local_world_size,
             cancelled=lambda: spec.epoch < self._join_epoch,  # a newer join was asked for
         )
@@ -214,13 +224,21 @@ class TrainWorker:
         return func(*args, **(kwargs or {}))
 
     # -- training ------------------------------------------------------------------
-    def start(self, train_func: Callable, config: Optional[Dict[str, Any]], spec: GroupSpec,
-              restore: RestoreInfo) -> None:
+    def start(
+        self, train_func: Callable, config: Optional[Dict[str, Any]], spec: GroupSpec, restore: RestoreInfo
+    ) -> None:
         if self._train.busy():
             raise RuntimeError("start while the train function is still running")
-        sess = Session(spec=spec, storage=self._storage, run_rel=self._run_rel,
-                       run_name=self._run_name, restore=restore, uploader=self._uploader,
-                       async_upload=self._async_upload, persist_every=self._persist_every)
+        sess = Session(
+            spec=spec,
+            storage=self._storage,
+            run_rel=self._run_rel,
+            run_name=self._run_name,
+            restore=restore,
+            uploader=self._uploader,
+            async_upload=self._async_upload,
+            persist_every=self._persist_every,
+        )
         with self._lock:
             self._session = sess
             self._status = WorkerStatus.RUNNING
@@ -306,8 +324,12 @@ class TrainWorker:
             sess = self._session
             records = sess.drain() if sess is not None else []
             return PollResult(
-                status=self._status, epoch=self._epoch, records=records, error=self._error,
-                traceback=self._traceback, index=sess.current_index() if sess else 0,
+                status=self._status,
+                epoch=self._epoch,
+                records=records,
+                error=self._error,
+                traceback=self._traceback,
+                index=sess.current_index() if sess else 0,
                 return_value=self._return_value if self._status == WorkerStatus.FINISHED else None,
                 holdings=self.holdings(),
             )
@@ -354,7 +376,7 @@ def _node_type(node_id: str):
         if n.get("NodeID") != node_id:
             continue
         labels = n.get("Labels") or {}
-        names = [k[len(RESOURCE_PREFIX):] for k in n.get("Resources", {}) if k.startswith(RESOURCE_PREFIX)]
+        names = [k[len(RESOURCE_PREFIX) :] for k in n.get("Resources", {}) if k.startswith(RESOURCE_PREFIX)]
         name = labels.get(NODE_TYPE_LABEL) or (names[0] if names else "default")
         return name, labels.get(MARKET_LABEL)
     return "default", None

@@ -99,16 +99,22 @@ class DeepSpeedAdapter:
         opt: Any = getattr(engine, "optimizer", None)
         stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
         if stage not in (1, 2, 3):
-            raise ValueError(f"ElasticState(engine=...) needs a DeepSpeed engine with ZeRO stage 1, 2 or 3 "
-                             f"(zero_optimization.stage is {stage}); for stage 0 the model is replicated: "
-                             "pass ElasticState(model=engine.module, optimizer=<the torch optimizer>)")
+            raise ValueError(
+                f"ElasticState(engine=...) needs a DeepSpeed engine with ZeRO stage 1, 2 or 3 "
+                f"(zero_optimization.stage is {stage}); for stage 0 the model is replicated: "
+                "pass ElasticState(model=engine.module, optimizer=<the torch optimizer>)"
+            )
         base = getattr(opt, "optimizer", None)
         if not isinstance(base, torch.optim.Optimizer):
-            raise ValueError(f"the engine's ZeRO optimizer wraps {type(base).__name__}, not a torch optimizer: "
-                             "build the engine with an optimizer (config 'optimizer' or optimizer=)")
+            raise ValueError(
+                f"the engine's ZeRO optimizer wraps {type(base).__name__}, not a torch optimizer: "
+                "build the engine with an optimizer (config 'optimizer' or optimizer=)"
+            )
         if getattr(opt, "swap_optimizer", False) or getattr(engine, "zero_nvme_offload_optimizer", lambda: False)():
-            raise ValueError("ElasticState(engine=...) does not support optimizer state swapped to NVMe "
-                             "(zero_optimization.offload_optimizer.device='nvme'): use 'cpu' or no offload")
+            raise ValueError(
+                "ElasticState(engine=...) does not support optimizer state swapped to NVMe "
+                "(zero_optimization.offload_optimizer.device='nvme'): use 'cpu' or no offload"
+            )
         if getattr(engine, "has_moe_layers", False):
             raise ValueError("ElasticState(engine=...) does not support MoE / expert-parallel engines")
         mpu = getattr(opt, "mpu", None)
@@ -200,8 +206,11 @@ class DeepSpeedAdapter:
             "bf16": bool(self.engine.bfloat16_enabled()),
             "fp16": bool(self.engine.fp16_enabled()),
             "optimizer": type(self.optimizer).__name__,
-            "params": [(self._name(p), int(p.ds_numel if hasattr(p, "ds_numel") else p.numel()))
-                       for ps in self._lp_groups for p in ps],
+            "params": [
+                (self._name(p), int(p.ds_numel if hasattr(p, "ds_numel") else p.numel()))
+                for ps in self._lp_groups
+                for p in ps
+            ],
         }
 
     def plain(self) -> Dict[str, Any]:
@@ -209,16 +218,24 @@ class DeepSpeedAdapter:
         for flats in self._flats():
             # every flat partition of a group took the same steps: keep the first one's
             st: Dict[str, Any] = next((self.optimizer.state[f] for f in flats if f in self.optimizer.state), {})
-            scalars.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                            for k, v in st.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)})
+            scalars.append(
+                {
+                    k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in st.items()
+                    if not (isinstance(v, torch.Tensor) and v.dim() > 0)
+                }
+            )
         eng = self.engine
         sched = getattr(eng, "lr_scheduler", None)
         return {
             **self._fingerprint(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
             "scalars": scalars,
-            "counters": {k: getattr(eng, k) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")
-                         if hasattr(eng, k)},
+            "counters": {
+                k: getattr(eng, k)
+                for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+                if hasattr(eng, k)
+            },
             "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
             "loss_scaler": self._loss_scaler_state(),
         }
@@ -227,13 +244,18 @@ class DeepSpeedAdapter:
         """The loss scaler's numbers (not the object: a storage checkpoint's plain state is
         loaded with ``weights_only=True``)."""
         scaler = getattr(self.zero, "loss_scaler", None)
-        out: Dict[str, Any] = {k: getattr(self.zero, k) for k in ("dynamic_loss_scale", "overflow")
-                               if isinstance(getattr(self.zero, k, None), bool)}
+        out: Dict[str, Any] = {
+            k: getattr(self.zero, k)
+            for k in ("dynamic_loss_scale", "overflow")
+            if isinstance(getattr(self.zero, k, None), bool)
+        }
         if scaler is not None:
             out["scaler"] = type(scaler).__name__
-            out["scaler_state"] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                                   for k, v in vars(scaler).items()
-                                   if isinstance(v, (bool, int, float, str, type(None), torch.Tensor))}
+            out["scaler_state"] = {
+                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in vars(scaler).items()
+                if isinstance(v, (bool, int, float, str, type(None), torch.Tensor))
+            }
         return out
 
     # -- restore -------------------------------------------------------------------------------
@@ -280,28 +302,37 @@ class DeepSpeedAdapter:
             raise ValueError(f"the state was taken with {plain.get('framework')!r}, not a DeepSpeed engine")
         mine = self._fingerprint()
         if plain.get("stage") != mine["stage"]:
-            raise ValueError(f"the state was taken with ZeRO stage {plain.get('stage')}, this engine runs "
-                             f"stage {mine['stage']} (zero_optimization.stage)")
+            raise ValueError(
+                f"the state was taken with ZeRO stage {plain.get('stage')}, this engine runs "
+                f"stage {mine['stage']} (zero_optimization.stage)"
+            )
         for k, what in (("param_dtype", "parameter dtype"), ("bf16", "bf16"), ("fp16", "fp16")):
             if plain.get(k) != mine[k]:
-                raise ValueError(f"the state was taken with {what} {plain.get(k)}, this engine has {mine[k]} "
-                                 "(a mixed-precision change)")
+                raise ValueError(
+                    f"the state was taken with {what} {plain.get(k)}, this engine has {mine[k]} "
+                    "(a mixed-precision change)"
+                )
         scaler = getattr(self.zero, "loss_scaler", None)
         theirs = plain.get("loss_scaler", {}).get("scaler")
         if scaler is not None and theirs is not None and theirs != type(scaler).__name__:
-            raise ValueError(f"the state was taken with loss scaler {theirs}, this engine has "
-                             f"{type(scaler).__name__} (a mixed-precision change)")
+            raise ValueError(
+                f"the state was taken with loss scaler {theirs}, this engine has "
+                f"{type(scaler).__name__} (a mixed-precision change)"
+            )
         if plain.get("optimizer") != mine["optimizer"]:
-            raise ValueError(f"the state was taken with optimizer {plain.get('optimizer')}, this engine uses "
-                             f"{mine['optimizer']}")
+            raise ValueError(
+                f"the state was taken with optimizer {plain.get('optimizer')}, this engine uses {mine['optimizer']}"
+            )
         if [tuple(x) for x in plain.get("params", [])] != mine["params"]:
             theirs = {n: s for n, s in plain.get("params", [])}
             ours = dict(mine["params"])
             diff = sorted(set(theirs.items()) ^ set(ours.items()))
             raise ValueError(f"the state was taken from another architecture: parameters differ at {diff[:4]}")
         if len(plain.get("param_groups", [])) != len(self.optimizer.param_groups):
-            raise ValueError(f"the state has {len(plain.get('param_groups', []))} optimizer param groups, "
-                             f"this engine {len(self.optimizer.param_groups)}")
+            raise ValueError(
+                f"the state has {len(plain.get('param_groups', []))} optimizer param groups, "
+                f"this engine {len(self.optimizer.param_groups)}"
+            )
 
     @torch.no_grad()
     def finish_restore(self, plain: Dict[str, Any]) -> None:

@@ -26,11 +26,14 @@ def uses_dtensors(model: Optional[torch.nn.Module]) -> bool:
 
 def _dtensor_chunk(key: str, t: Any) -> Piece:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     local = t._local_tensor  # the rank's shard, sharing storage with the parameter
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(shape) != tuple(local.shape):
-        raise RuntimeError(f"{key}: local shard shape {tuple(local.shape)} differs from the placement's "
-                           f"{tuple(shape)} (padded or strided shards are not supported; {_mesh_view(t)})")
+        raise RuntimeError(
+            f"{key}: local shard shape {tuple(local.shape)} differs from the placement's "
+            f"{tuple(shape)} (padded or strided shards are not supported; {_mesh_view(t)})"
+        )
     return Chunk(key, tuple(t.shape), tuple(offset), tuple(local.shape), str(local.dtype)), local
 
 
@@ -40,10 +43,13 @@ def _mesh_view(t: Any) -> str:
     most likely a mesh kept from an earlier attempt at another rank, which DTensor's
     per-thread caches handed back until the train thread cleared them (2026-11-28)."""
     import torch.distributed as dist
+
     try:
         mesh = t.device_mesh
-        return (f"mesh {mesh.mesh.tolist()} coordinate {mesh.get_coordinate()} local rank "
-                f"{mesh.get_local_rank()}; process group rank {dist.get_rank()} of {dist.get_world_size()}")
+        return (
+            f"mesh {mesh.mesh.tolist()} coordinate {mesh.get_coordinate()} local rank "
+            f"{mesh.get_local_rank()}; process group rank {dist.get_rank()} of {dist.get_world_size()}"
+        )
     except Exception as e:  # noqa: BLE001 - a diagnostic only
         return f"mesh not readable: {e!r}"
 
@@ -77,14 +83,17 @@ class FSDP2Adapter:
             for p in group["params"]:
                 name = self._names.get(id(p))
                 if name is None:
-                    raise ValueError("the optimizer holds a parameter that is not the model's: register the "
-                                     "model the optimizer was built on (ElasticState(model=..., optimizer=...))")
+                    raise ValueError(
+                        "the optimizer holds a parameter that is not the model's: register the "
+                        "model the optimizer was built on (ElasticState(model=..., optimizer=...))"
+                    )
                 for k, v in self.optimizer.state.get(p, {}).items():
                     yield name, k, v
 
     def live_chunks(self) -> List[Piece]:
-        out: List[Piece] = [_piece(f"model/{n}", p.detach() if not is_dtensor(p) else p)
-                            for n, p in self.model.named_parameters()]
+        out: List[Piece] = [
+            _piece(f"model/{n}", p.detach() if not is_dtensor(p) else p) for n, p in self.model.named_parameters()
+        ]
         out += [_whole_chunk(f"buffer/{n}", b) for n, b in self.model.named_buffers()]
         for name, k, v in self._optim_items():
             if isinstance(v, torch.Tensor) and (is_dtensor(v) or v.dim() > 0):
@@ -97,16 +106,24 @@ class FSDP2Adapter:
             if isinstance(v, torch.Tensor) and (is_dtensor(v) or v.dim() > 0):
                 continue
             scalars.setdefault(name, {})[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups] \
-            if self.optimizer is not None else []
-        return {"framework": "fsdp2", "optimizer": type(self.optimizer).__name__ if self.optimizer else None,
-                "scalars": scalars, "param_groups": groups}
+        groups = (
+            [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            if self.optimizer is not None
+            else []
+        )
+        return {
+            "framework": "fsdp2",
+            "optimizer": type(self.optimizer).__name__ if self.optimizer else None,
+            "scalars": scalars,
+            "param_groups": groups,
+        }
 
     def restore_targets(self) -> List[Piece]:
         if self.optimizer is not None and not self.optimizer.state:
             # A new optimizer has no moments yet: create them (a zero-gradient step with lr 0,
             # as torch.distributed.checkpoint does) so there are tensors to fill.
             from torch.distributed.checkpoint.state_dict import _init_optim_state
+
             _init_optim_state(self.optimizer)
         return self.live_chunks()
 
@@ -116,12 +133,15 @@ class FSDP2Adapter:
         if self.optimizer is None:
             return
         if plain.get("optimizer") != type(self.optimizer).__name__:
-            raise ValueError(f"the snapshot's optimizer is {plain.get('optimizer')}, this one is "
-                             f"{type(self.optimizer).__name__}")
+            raise ValueError(
+                f"the snapshot's optimizer is {plain.get('optimizer')}, this one is {type(self.optimizer).__name__}"
+            )
         groups = plain.get("param_groups", [])
         if len(groups) != len(self.optimizer.param_groups):
-            raise ValueError(f"the snapshot has {len(groups)} optimizer param groups, this optimizer "
-                             f"{len(self.optimizer.param_groups)}")
+            raise ValueError(
+                f"the snapshot has {len(groups)} optimizer param groups, this optimizer "
+                f"{len(self.optimizer.param_groups)}"
+            )
         for g, saved in zip(self.optimizer.param_groups, groups):
             g.update(saved)
         scalars = plain.get("scalars", {})

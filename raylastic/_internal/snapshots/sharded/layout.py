@@ -94,8 +94,9 @@ def fill(chunk: Chunk, target: torch.Tensor, pieces: Iterable[Piece]) -> int:
             if c.key != chunk.key:
                 continue
             if c.global_shape != chunk.global_shape:
-                raise ValueError(f"{chunk.key}: saved with global shape {c.global_shape}, "
-                                 f"the model has {chunk.global_shape}")
+                raise ValueError(
+                    f"{chunk.key}: saved with global shape {c.global_shape}, the model has {chunk.global_shape}"
+                )
             if chunk.global_shape == ():
                 target.copy_(t)
                 written += 1
@@ -130,19 +131,22 @@ def check_fits(old: Sequence[Chunk], new: Sequence[Chunk]) -> None:
     missing = sorted(new_keys - set(by_key))
     extra = sorted(set(by_key) - new_keys)
     if missing or extra:
-        raise ValueError("the saved sharded state has other tensors than the model and optimizer: "
-                         + (f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}" if missing else "")
-                         + ("; " if missing and extra else "")
-                         + (f"unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}" if extra else "")
-                         + " (another architecture, optimizer or sharding framework?)")
+        raise ValueError(
+            "the saved sharded state has other tensors than the model and optimizer: "
+            + (f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}" if extra else "")
+            + " (another architecture, optimizer or sharding framework?)"
+        )
     for c in new:
         olds = by_key[c.key]
         if olds[0].global_shape != c.global_shape:
-            raise ValueError(f"{c.key}: saved with global shape {olds[0].global_shape}, "
-                             f"the model has {c.global_shape} (another architecture?)")
+            raise ValueError(
+                f"{c.key}: saved with global shape {olds[0].global_shape}, "
+                f"the model has {c.global_shape} (another architecture?)"
+            )
         if c.dtype and olds[0].dtype and olds[0].dtype != c.dtype:
-            raise ValueError(f"{c.key}: saved as {olds[0].dtype}, the model has {c.dtype} "
-                             "(a mixed-precision change?)")
+            raise ValueError(f"{c.key}: saved as {olds[0].dtype}, the model has {c.dtype} (a mixed-precision change?)")
         if c.global_shape == ():
             continue
         got = 0
@@ -151,8 +155,10 @@ def check_fits(old: Sequence[Chunk], new: Sequence[Chunk]) -> None:
             if ov is not None:
                 got += volume(ov[0])
         if got != c.numel():
-            raise ValueError(f"{c.key}: the saved pieces cover {got} of the {c.numel()} elements "
-                             f"this rank needs at {c.offsets} (inconsistent shards)")
+            raise ValueError(
+                f"{c.key}: the saved pieces cover {got} of the {c.numel()} elements "
+                f"this rank needs at {c.offsets} (inconsistent shards)"
+            )
 
 
 def layout_fingerprint(chunks: Sequence[Chunk]) -> str:
@@ -171,5 +177,15 @@ def meta(c: Chunk) -> torch.Tensor:
     return torch.empty(c.sizes, dtype=dtype_of(c.dtype), device="meta")
 
 
-__all__ = ["Chunk", "Piece", "ShardedAdapter", "fill", "check_fits", "distinct", "layout_fingerprint",
-           "dtype_of", "meta", "ROOT"]
+__all__ = [
+    "Chunk",
+    "Piece",
+    "ShardedAdapter",
+    "fill",
+    "check_fits",
+    "distinct",
+    "layout_fingerprint",
+    "dtype_of",
+    "meta",
+    "ROOT",
+]

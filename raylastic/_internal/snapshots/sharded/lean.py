@@ -57,11 +57,21 @@ class LeanCommit:
     sources, an event on the training stream that this thread waits for before reading
     them; ``aborted``: whether the attempt was aborted."""
 
-    def __init__(self, snap: Any, rank: int, sources: Sequence[torch.Tensor],
-                 incoming: Dict[int, List[torch.Tensor]], *, exchange: Any, ready: Any = None,
-                 merge: Callable[[Any, Dict[int, List[torch.Tensor]]], None],
-                 take_older: Callable[[], Tuple[bool, Optional[Any]]], aborted: Callable[[], bool],
-                 stop: Callable[[], BaseException], root: str):
+    def __init__(
+        self,
+        snap: Any,
+        rank: int,
+        sources: Sequence[torch.Tensor],
+        incoming: Dict[int, List[torch.Tensor]],
+        *,
+        exchange: Any,
+        ready: Any = None,
+        merge: Callable[[Any, Dict[int, List[torch.Tensor]]], None],
+        take_older: Callable[[], Tuple[bool, Optional[Any]]],
+        aborted: Callable[[], bool],
+        stop: Callable[[], BaseException],
+        root: str,
+    ):
         self.snap = snap
         self.rank = rank
         self.sources = list(sources)
@@ -96,12 +106,14 @@ class LeanCommit:
                 with self._lock:
                     self._received = received  # a settle() from now on keeps what landed
                 if error is not None:
-                    logger.warning("snapshot %s: peer copy failed (%s); the snapshot before it is kept",
-                                   self.snap.index, error)
+                    logger.warning(
+                        "snapshot %s: peer copy failed (%s); the snapshot before it is kept", self.snap.index, error
+                    )
                 agreed = self._exchange.all_true(sent and received)  # every rank votes, always
         except Exception as e:  # noqa: BLE001 - the vote failed: a peer is gone
-            logger.warning("snapshot %s: peers did not all answer (%s); the snapshot before it is kept",
-                           self.snap.index, e)
+            logger.warning(
+                "snapshot %s: peers did not all answer (%s); the snapshot before it is kept", self.snap.index, e
+            )
         try:
             with self._lock:
                 if not self.over:

@@ -18,19 +18,25 @@ def _fill_targets(targets: Sequence[Piece], pieces: Sequence[Piece], counts: Lis
         counts[i] += fill(c, t, pieces)
 
 
-def reshard_from_memory(transport: Transport, targets: Sequence[Piece],
-                        layout: Optional[Mapping[int, List[Chunk]]],
-                        held: Mapping[int, Sequence[torch.Tensor]], plain: Optional[Dict[str, Any]]
-                        ) -> Dict[str, Any]:
+def reshard_from_memory(
+    transport: Transport,
+    targets: Sequence[Piece],
+    layout: Optional[Mapping[int, List[Chunk]]],
+    held: Mapping[int, Sequence[torch.Tensor]],
+    plain: Optional[Dict[str, Any]],
+) -> Dict[str, Any]:
     """Collective over ``transport``'s group (host tensors: the side group): fill every
     rank's ``targets`` from the old shards the members hold. ``layout``: old shard -> its chunks (None on a rank holding nothing);
     ``held``: old shard -> this rank's host tensors of it. Returns the snapshot's plain
     state (from the lowest holder). Raises ValueError on every rank alike when the old
     state does not fit or the holders do not cover it."""
     world, rank = transport.world, transport.rank
-    mine = {"held": sorted(held), "targets": [c.as_tuple() for c, _t in targets],
-            "layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()} if layout else None,
-            "plain": plain if held else None}
+    mine = {
+        "held": sorted(held),
+        "targets": [c.as_tuple() for c, _t in targets],
+        "layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()} if layout else None,
+        "plain": plain if held else None,
+    }
     everyone = transport.gather(mine)
     ref = next((e for e in everyone if e["held"]), None)
     problem = None
@@ -43,8 +49,9 @@ def reshard_from_memory(transport: Transport, targets: Sequence[Piece],
             problem = f"the members hold shards {sorted(have)} of {len(old)}: not all of them"
         else:
             try:
-                check_fits([c for cs in old.values() for c in cs],
-                           [Chunk.of(t) for e in everyone for t in e["targets"]])
+                check_fits(
+                    [c for cs in old.values() for c in cs], [Chunk.of(t) for e in everyone for t in e["targets"]]
+                )
             except ValueError as e:
                 problem = str(e)
     if problem is not None:
@@ -62,8 +69,11 @@ def reshard_from_memory(transport: Transport, targets: Sequence[Piece],
             if dedupe in seen:
                 continue  # a replicated piece already placed from an earlier shard
             seen.add(dedupe)
-            need = [q for q in range(world)
-                    if any(w.key == c.key and (w.global_shape == () or overlap(w, c)) for w in wants[q])]
+            need = [
+                q
+                for q in range(world)
+                if any(w.key == c.key and (w.global_shape == () or overlap(w, c)) for w in wants[q])
+            ]
             if rank == h:
                 t = held[s][j]
                 if rank in need:
@@ -84,16 +94,18 @@ def reshard_from_memory(transport: Transport, targets: Sequence[Piece],
     return ref["plain"]
 
 
-def fill_from_files(targets: Sequence[Piece], shard_files: Mapping[int, Any],
-                    everyone: Optional[Sequence[Chunk]] = None) -> None:
+def fill_from_files(
+    targets: Sequence[Piece], shard_files: Mapping[int, Any], everyone: Optional[Sequence[Chunk]] = None
+) -> None:
     """Storage restore: ``shard_files`` old rank -> its loaded file ({"chunks", "tensors"},
     memory-mapped); raises ValueError when they do not fit. ``everyone``: the pieces of
     every rank of the new group (default: ``targets``'): the saved state must fit the
     group, not this rank, which may hold no piece of some tensor (ZeRO-3 gives a rank
     none of a parameter smaller than the partition offset it starts at)."""
     old = {s: [Chunk.of(t) for t in f["chunks"]] for s, f in shard_files.items()}
-    check_fits([c for cs in old.values() for c in cs],
-               list(everyone) if everyone is not None else [c for c, _t in targets])
+    check_fits(
+        [c for cs in old.values() for c in cs], list(everyone) if everyone is not None else [c for c, _t in targets]
+    )
     counts = [0] * len(targets)
     seen = set()
     for s in sorted(old):

@@ -20,7 +20,6 @@ checkpoint; rank 0 also writes ``elastic_state.pt`` with the plain state and the
 (``persist``). Loading at any world size memory-maps the files and reads the overlaps only.
 """
 
-
 from __future__ import annotations
 
 import logging
@@ -92,7 +91,9 @@ class ShardedState(CopyWaiter):
         if self._side is None and not dist.is_initialized():
             if not held or layout is None or set(held) != set(layout):
                 raise ValueError("this single process does not hold every shard of the snapshot")
-            fill_from_files(targets, {s: {"chunks": [c.as_tuple() for c in layout[s]], "tensors": held[s]} for s in held})
+            fill_from_files(
+                targets, {s: {"chunks": [c.as_tuple() for c in layout[s]], "tensors": held[s]} for s in held}
+            )
         else:
             transport = self._side if self._side is not None else Transport.training()  # one rank
             plain = reshard_from_memory(transport, targets, layout, held, plain)
@@ -106,9 +107,11 @@ class ShardedState(CopyWaiter):
         try:
             self._restore_storage(directory, blob)
         except ValueError as e:
-            raise ValueError(f"rank {self.rank}: checkpoint {self._sess.restore.checkpoint_rel} does not "
-                             f"fit this model: {e}. Nothing was loaded; start a new run (another "
-                             "RunConfig.name) or restore the matching model") from None
+            raise ValueError(
+                f"rank {self.rank}: checkpoint {self._sess.restore.checkpoint_rel} does not "
+                f"fit this model: {e}. Nothing was loaded; start a new run (another "
+                "RunConfig.name) or restore the matching model"
+            ) from None
 
     def _restore_storage(self, directory: str, blob: Dict[str, Any]) -> None:
         plain = blob["plain"]
@@ -142,6 +145,7 @@ class ShardedState(CopyWaiter):
         """Fill ``snap`` (tensors, plain layout, holding) with this commit's shard; returns
         ``start()``. ``snap`` is complete once this rank's own shard is copied; the peer
         copies follow in the exchange thread, which sets ``snap.done``."""
+
         def own_copied(error: Optional[BaseException]) -> None:
             snap.error = error
             if error is None:
@@ -149,8 +153,9 @@ class ShardedState(CopyWaiter):
 
         return self._copy(snap, old, own_copied)
 
-    def _copy(self, snap: Any, old: Optional[Any], on_own_copied: Callable[[Optional[BaseException]], None]
-              ) -> Callable[[], None]:
+    def _copy(
+        self, snap: Any, old: Optional[Any], on_own_copied: Callable[[Optional[BaseException]], None]
+    ) -> Callable[[], None]:
         self.wait()
         t0 = time.perf_counter()
         live = self.adapter.live_chunks()
@@ -193,8 +198,14 @@ class ShardedState(CopyWaiter):
         self._pending = PendingCopy(pending, own_done)
         return self._pending.start
 
-    def _copy_lean(self, snap: Any, live: List[Tuple[Chunk, torch.Tensor]], layout: Dict[int, List[Chunk]],
-                   old_tree: Dict[int, Any], t0: float) -> Callable[[], None]:
+    def _copy_lean(
+        self,
+        snap: Any,
+        live: List[Tuple[Chunk, torch.Tensor]],
+        layout: Dict[int, List[Chunk]],
+        old_tree: Dict[int, Any],
+        t0: float,
+    ) -> Callable[[], None]:
         """A lean commit (``lean.py``): the own shard is sent from the live state, and
         copied out of it once every peer copy landed; the next optimizer step waits."""
         # Model buffers change in the next forward: copied now (they are small).
@@ -211,10 +222,19 @@ class ShardedState(CopyWaiter):
         if cuda is not None:  # the exchange thread's copies must follow the step that wrote them
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(cuda))
-        commit = LeanCommit(snap, self.rank, sources, incoming, ready=ready, exchange=self._exchange,
-                            merge=self._lean_merge,
-                            take_older=lambda: self._store.take_older(sess.run_rel, snap),
-                            aborted=lambda: sess.aborted, stop=lambda: StopTraining("membership change"), root=ROOT)
+        commit = LeanCommit(
+            snap,
+            self.rank,
+            sources,
+            incoming,
+            ready=ready,
+            exchange=self._exchange,
+            merge=self._lean_merge,
+            take_older=lambda: self._store.take_older(sess.run_rel, snap),
+            aborted=lambda: sess.aborted,
+            stop=lambda: StopTraining("membership change"),
+            root=ROOT,
+        )
         snap.settle = commit.settle
         self._store.trim_lean(sess.run_rel)
         self._pending = commit
@@ -227,6 +247,7 @@ class ShardedState(CopyWaiter):
                 COPY_THREAD.submit(commit.run)
             if not self.overlap:  # no optimizer hook to wait in: wait here
                 self.wait()
+
         return start
 
     def _lean_merge(self, snap: Any, tensors: Dict[int, List[torch.Tensor]]) -> None:
@@ -239,8 +260,11 @@ class ShardedState(CopyWaiter):
 
     def _plain(self, layout: Dict[int, List[Chunk]]) -> Dict[str, Any]:
         """What a snapshot says of its shards besides their tensors: every old rank's chunks."""
-        return {"layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()},
-                "adapter": self.adapter.plain(), "world": len(layout)}
+        return {
+            "layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()},
+            "adapter": self.adapter.plain(),
+            "world": len(layout),
+        }
 
     def _defer(self, c: Chunk) -> Callable[[torch.Tensor], bool]:
         """Whether ``c``'s copy may wait for the optimizer step hook (buffers never do)."""
@@ -255,16 +279,25 @@ class ShardedState(CopyWaiter):
             bufs = []
             for j, c in enumerate(layout[s]):
                 p = prev[j] if j < len(prev) else None
-                if (isinstance(p, torch.Tensor) and not p.is_meta and tuple(p.shape) == c.sizes
-                        and str(p.dtype) == c.dtype):
+                if (
+                    isinstance(p, torch.Tensor)
+                    and not p.is_meta
+                    and tuple(p.shape) == c.sizes
+                    and str(p.dtype) == c.dtype
+                ):
                     bufs.append(p)
                 else:
                     bufs.append(torch.empty(c.sizes, dtype=dtype_of(c.dtype)))
             out[s] = bufs
         return out
 
-    def _exchange_job(self, snap: Any, own: List[torch.Tensor], incoming: Dict[int, List[torch.Tensor]],
-                      layout: Dict[int, List[Chunk]]) -> None:
+    def _exchange_job(
+        self,
+        snap: Any,
+        own: List[torch.Tensor],
+        incoming: Dict[int, List[torch.Tensor]],
+        layout: Dict[int, List[Chunk]],
+    ) -> None:
         try:
             assert self._exchange is not None  # a job is submitted only while exchanging
             self._exchange.exchange(own, incoming, snap.index)
@@ -276,8 +309,9 @@ class ShardedState(CopyWaiter):
             if incoming:
                 self._merge(self._store, snap, leaves)
         except Exception as e:  # noqa: BLE001 - the snapshot keeps only the own shard
-            logger.warning("snapshot %s: peer copy failed (%s); it holds only rank %s's own shard",
-                           snap.index, e, self.rank)
+            logger.warning(
+                "snapshot %s: peer copy failed (%s); it holds only rank %s's own shard", snap.index, e, self.rank
+            )
         finally:
             snap.pins -= 1
             snap.incoming_nbytes = 0  # merged (counted in nbytes) or dropped
