@@ -68,13 +68,28 @@ def max_rel_diff(a_path, b_path):
     return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
 
 
+# The fixed-size runs' final weights, by what they train (one run of 2 workers per model
+# and optimizer, ~7 s): the lean FSDP2 test compares with the FSDP2 test's (the snapshot
+# mode changes what is kept in memory, not what is trained).
+_REFERENCES = {}
+_SNAPSHOT_ONLY = ("lean_snapshots", "trace_weights")
+
+
+def _reference(run_dir, tmp_path, train_func, name, cfg_extra):
+    key = (train_func.__name__, tuple(sorted((k, v) for k, v in cfg_extra.items() if k not in _SNAPSHOT_ONLY)))
+    if key not in _REFERENCES or not os.path.exists(_REFERENCES[key]):
+        ref_cfg = _cfg(tmp_path, f"{name}-ref", **cfg_extra)
+        ref = ElasticTrainer(train_func, train_loop_config=ref_cfg,
+                             scaling_config=ScalingConfig(min_workers=2, max_workers=2),
+                             run_config=RunConfig(name=f"{name}-ref", storage_path=run_dir, verbose=False,
+                                                  progress=False)).fit()
+        assert ref.world_sizes == [2]
+        _REFERENCES[key] = ref_cfg["weights_out"]
+    return _REFERENCES[key]
+
+
 def _elastic_run(local_cluster, run_dir, tmp_path, train_func, name, **cfg_extra):
-    ref_cfg = _cfg(tmp_path, f"{name}-ref", **cfg_extra)
-    ref = ElasticTrainer(train_func, train_loop_config=ref_cfg,
-                         scaling_config=ScalingConfig(min_workers=2, max_workers=2),
-                         run_config=RunConfig(name=f"{name}-ref", storage_path=run_dir, verbose=False,
-                                              progress=False)).fit()
-    assert ref.world_sizes == [2]
+    ref_weights = _reference(run_dir, tmp_path, train_func, name, cfg_extra)
     # 0.15 s a step at 3 workers, 0.8 s at 2: the node added back joins before the end
     cfg = _cfg(tmp_path, name, step_sleep_s=0.15, slow_below_world=3, slow_sleep_s=0.8, **cfg_extra)
     th = FitThread(ElasticTrainer(train_func, train_loop_config=cfg,
@@ -96,12 +111,13 @@ def _elastic_run(local_cluster, run_dir, tmp_path, train_func, name, **cfg_extra
     assert [e["source"] for e in restored] == ["memory", "memory"], restored  # the loss and the scale-up
     assert not [e for e in events if e["kind"] == "checkpoint_invalid"]
     assert check_exactly_once(cfg["index_log_dir"]) == {2, 3}
-    diff = max_rel_diff(ref_cfg["weights_out"], cfg["weights_out"])
+    diff = max_rel_diff(ref_weights, cfg["weights_out"])
     if diff > 1e-5 and cfg_extra.get("trace_weights"):
         def sums(run):
             return [(m["metrics"]["epoch"], m["metrics"]["step"], m["epoch"], m["index"], m["metrics"]["wsum"])
                     for m in RunWatcher(os.path.join(run_dir, run)).metrics()]
-        print("REF", sums(f"{name}-ref")[:40])
+        if os.path.isdir(os.path.join(run_dir, f"{name}-ref")):  # the reference ran in this test
+            print("REF", sums(f"{name}-ref")[:40])
         print("ELASTIC", sums(name)[:60])
         print("EVENTS", [(e["kind"], e.get("index"), e.get("epoch")) for e in events if e["kind"] != "metrics"])
     print(f"{name}: max relative weight difference elastic vs fixed: {diff:.2e}")
