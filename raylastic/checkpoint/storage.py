@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -56,6 +54,9 @@ from raylastic.checkpoint.backends import (  # noqa: F401 - some re-exported
     parse_uri,
     select_azure_credentials,
 )
+
+# Called as this module's globals (patch them here); the bodies live in local_files.py.
+from raylastic.checkpoint.local_files import _atomic_local_copy, _atomic_local_write, _copy_stream, _walk_local
 from raylastic.checkpoint.names import UnsafeObjectNameError, local_target, relative_to
 from raylastic.checkpoint.retry import (  # noqa: F401 - some re-exported
     PermanentStorageError,
@@ -82,7 +83,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-_CHUNK = 8 * 1024 * 1024
 
 
 class Storage:
@@ -421,53 +421,3 @@ def _rebuild(
 
         register_filesystem(key, fs)
     return Storage(uri, retry=retry, create_container=create_container)
-
-
-def _walk_local(local_dir: str) -> list[tuple[str, int]]:
-    if not os.path.isdir(local_dir):
-        raise FileNotFoundError(f"upload_dir: {local_dir!r} is not a directory")
-    out = []
-    for dirpath, _, filenames in os.walk(local_dir):
-        for name in filenames:
-            full = os.path.join(dirpath, name)
-            out.append((os.path.relpath(full, local_dir).replace(os.sep, "/"), os.path.getsize(full)))
-    return sorted(out)
-
-
-def _atomic_local_write(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _atomic_local_copy(src: str, dst: str) -> None:
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _copy_stream(
-    open_src: Callable, src: str, dst_fs: pafs.FileSystem, dst: str, make_parent: Callable[[str], None] = lambda _: None
-) -> None:
-    make_parent(dst)
-    with open_src(src) as fin, dst_fs.open_output_stream(dst) as fout:
-        while True:
-            chunk = fin.read(_CHUNK)
-            if not chunk:
-                break
-            fout.write(chunk)

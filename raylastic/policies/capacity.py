@@ -41,9 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from raylastic._internal.validate import check_bool, check_instance, check_int, check_number, error
-from raylastic.errors import ConfigError
 from raylastic.policies.base import Noop
+from raylastic.policies.capacity_checks import check_policy, check_scaling
 from raylastic.policies.capacity_decisions import (  # noqa: F401 - re-exported
     CapacityDecision,
     CapacityPhase,
@@ -113,129 +112,9 @@ class CapacityPolicy:
     prices: Optional[PriceTable] = None
 
     def __post_init__(self) -> None:
-        # The field rules are raylastic._internal.validate's, shared with the run configs;
-        # every error is a ConfigError (a ValueError) naming CapacityPolicy.<field> and the fix.
-        for name, enum in (("prefer", Market), ("objective", Objective)):
-            try:
-                object.__setattr__(self, name, enum.parse(getattr(self, name), f"CapacityPolicy.{name}"))
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"{e}. Fix: pass {name}=" + " or ".join(repr(m.value) for m in enum)) from None
-        seconds = {
-            "fallback_after_s": "0 requests on-demand as soon as spot is short",
-            "max_wait_s": "30 minutes: max_wait_s=1800",
-            "on_demand_boot_s": "180 s is typical",
-            "spot_wait_s": "None: half of max_wait_s",
-        }
-        for name, hint in seconds.items():  # ranges of the first two below, with their own messages
-            check_number(
-                getattr(self, name),
-                f"CapacityPolicy.{name}",
-                unit="seconds",
-                minimum=None if name in ("fallback_after_s", "max_wait_s") else 0,
-                none_means="half of max_wait_s" if name == "spot_wait_s" else None,
-                fix=f"pass {name} as seconds ({hint})",
-            )
-        check_number(
-            self.fixed_usd_per_hour,
-            "CapacityPolicy.fixed_usd_per_hour",
-            minimum=0,
-            fix="pass the run's fixed cost in USD per hour (head node, licences), or 0",
-        )
-        check_number(
-            self.deadline_margin,
-            "CapacityPolicy.deadline_margin",
-            minimum=0,
-            fix="pass a fraction of deadline_s such as 0.1 (finish 10% early)",
-        )
-        check_number(
-            self.deadline_s,
-            "CapacityPolicy.deadline_s",
-            above=0,
-            unit="seconds",
-            none_means="no deadline",
-            fix="pass the seconds from fit() the run must finish in, or None",
-        )
-        check_int(
-            self.max_on_demand_workers,
-            "CapacityPolicy.max_on_demand_workers",
-            minimum=None,
-            none_means="up to max_workers",
-            fix="pass a number of workers >= 0, or None",
-        )
-        check_bool(self.return_to_spot, "CapacityPolicy.return_to_spot")
-        check_instance(
-            self.prices,
-            PriceTable,
-            "CapacityPolicy.prices",
-            "prices=PriceTable.from_mapping({'spot': 0.9, 'on_demand': 3.0}), or None",
-            optional=True,
-        )
-        if self.deadline_margin >= 1:
-            raise ConfigError(
-                f"CapacityPolicy.deadline_margin={self.deadline_margin!r} is a fraction of "
-                "deadline_s and must be < 1. Fix: e.g. 0.1 (finish 10% early)"
-            )
-        if self.fallback_after_s < 0:
-            raise ConfigError(
-                f"CapacityPolicy.fallback_after_s ({self.fallback_after_s}) must be >= 0. "
-                "Fix: use 0 to request on-demand as soon as spot is short"
-            )
-        if self.max_wait_s <= 0:
-            raise ConfigError(
-                f"CapacityPolicy.max_wait_s ({self.max_wait_s}) must be > 0. Fix: it is finite "
-                "by design; pass the seconds to wait below min_workers, e.g. 1800"
-            )
-        cap = self.max_on_demand_workers
-        if cap is not None and cap < 0:
-            raise ConfigError(
-                f"CapacityPolicy.max_on_demand_workers ({cap!r}) must be an int >= 0. Fix: pass 0 (spot "
-                "only), a cap, or None for up to max_workers"
-            )
-        wait_first = self.spot_wait_after_s if self.objective is Objective.COST else self.fallback_after_s
-        if self.prefer is Market.SPOT and cap != 0 and self.deadline_s is None and self.max_wait_s <= wait_first:
-            raise ConfigError(
-                f"CapacityPolicy.max_wait_s ({self.max_wait_s}) <= "
-                f"{'spot_wait_s' if self.objective is Objective.COST else 'fallback_after_s'} "
-                f"({wait_first}): the run would give up before trying on-demand. Fix: "
-                "raise max_wait_s or lower it"
-            )
-        if self.prefer is Market.ON_DEMAND and cap == 0:
-            raise ConfigError(
-                "CapacityPolicy: prefer='on_demand' with max_on_demand_workers=0 can never get "
-                "a worker. Fix: raise max_on_demand_workers or use prefer='spot'"
-            )
-        self._check_node_types()
-        if self.prices is not None:
-            self.prices.require(t.name for t in self.used_node_types())
-
-    def _check_node_types(self) -> None:
-        if not isinstance(self.node_types, (tuple, list)):
-            raise error(
-                "CapacityPolicy.node_types",
-                self.node_types,
-                "a tuple of NodeType",
-                "pass node_types=(NodeType(name=..., market='spot'), NodeType(name=..., market='on_demand'))",
-                wrong_type=True,
-            )
-        types = tuple(self.node_types)
-        object.__setattr__(self, "node_types", types)
-        for t in types:
-            if not isinstance(t, NodeType):
-                raise ConfigError(
-                    f"CapacityPolicy.node_types: {t!r} is not a NodeType. Fix: pass "
-                    "NodeType(name=..., market=...) objects"
-                )
-        names = [t.name for t in types]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"CapacityPolicy.node_types: duplicate names in {names}. Fix: name each node type once")
-        for market in Market:
-            of_market = [t.name for t in types if t.market is market]
-            if len(of_market) != 1:
-                raise ConfigError(
-                    f"CapacityPolicy.node_types needs exactly one {market.value} node type, "
-                    f"got {of_market or 'none'}. Fix: pass node_types=(NodeType(name=..., "
-                    "market='spot'), NodeType(name=..., market='on_demand'))"
-                )
+        # Every error is a ConfigError (a ValueError) naming CapacityPolicy.<field> and the
+        # fix; the rules are in raylastic.policies.capacity_checks.
+        check_policy(self)
 
     @property
     def unreachable_after_s(self) -> float:
@@ -274,17 +153,7 @@ class CapacityPolicy:
 
     def validate_scaling(self, *, min_workers: int, max_workers: int) -> None:
         """Check this policy against the run's worker range; call before taking resources."""
-        cap = self.max_on_demand_workers
-        if cap is not None and cap > max_workers:
-            raise ValueError(
-                f"CapacityPolicy.max_on_demand_workers ({cap}) > max_workers ({max_workers}). "
-                f"Fix: lower max_on_demand_workers to at most {max_workers}"
-            )
-        if self.prefer is Market.ON_DEMAND and cap is not None and cap < min_workers:
-            raise ValueError(
-                f"CapacityPolicy: prefer='on_demand' with max_on_demand_workers ({cap}) < min_workers "
-                f"({min_workers}) can never start. Fix: raise max_on_demand_workers"
-            )
+        check_scaling(self.prefer, self.max_on_demand_workers, min_workers=min_workers, max_workers=max_workers)
 
     def request_args(self, counts: Mapping[str, int]) -> Dict[str, List[Dict[str, Any]]]:
         """Keyword arguments for ``ray.autoscaler.sdk.request_resources``: one bundle (and

@@ -30,11 +30,8 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import logging
-import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -42,25 +39,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from raylastic.policies.node_types import RESOURCE_PREFIX, PriceTable
+from raylastic.policies.node_types import PriceTable
+from raylastic.sim import _head
 from raylastic.sim import provider as _prov
-from raylastic.sim._scheduler import Scheduler, environ, free_port, wait_for
-from raylastic.sim.config import (
-    DEFAULT_SIM_NODE_TYPES,
-    NODE_OBJECT_STORE_BYTES,
-    SimNodeType,
-    autoscaler_config,
-)
+from raylastic.sim._scheduler import Scheduler, wait_for
+from raylastic.sim.config import DEFAULT_SIM_NODE_TYPES, SimNodeType
 from raylastic.sim.timescale import TimeScale
 from raylastic.sim.trace import Trace, TraceEvent, TraceEventKind
-from raylastic.testing.cluster import FAST_FAILURE_DETECTION
 
 logger = logging.getLogger(__name__)
-
-# Environment of the head's processes (the monitor inherits it): fake-cluster mode, a
-# 1 s autoscaler loop (Ray's default is 5 s), autoscaler v1.
-_HEAD_ENV = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_enable_autoscaler_v2": "0"}
-_PROVIDER_SHUTDOWN_WAIT_S = 10.0
 
 
 class SpotCloud:
@@ -122,8 +109,6 @@ class SpotCloud:
 
     def start(self) -> "SpotCloud":
         import ray
-        from ray.autoscaler.v2.utils import is_autoscaler_v2
-        from ray.cluster_utils import Cluster
 
         if self._dir is not None:
             raise RuntimeError("SpotCloud is already started; create a new one per cluster")
@@ -137,35 +122,12 @@ class SpotCloud:
         atexit.register(self.shutdown)
         try:
             self._write_control()
-            port = free_port()
-            config = autoscaler_config(
-                tuple(self.node_types.values()),
-                idle_timeout_s=self._idle_timeout_s,
-                gcs_address=f"{ray.util.get_node_ip_address()}:{port}",
-                state_dir=self._dir,
+            self._cluster = _head.start_head(
+                tuple(self.node_types.values()), idle_timeout_s=self._idle_timeout_s, state_dir=self._dir
             )
-            config_path = self._dir / "autoscaler.json"
-            config_path.write_text(json.dumps(config, indent=1), encoding="utf-8")
-            with environ(_HEAD_ENV):
-                self._cluster = Cluster(
-                    initialize_head=True,
-                    head_node_args={
-                        "num_cpus": 0,
-                        "gcs_server_port": port,
-                        "include_dashboard": False,
-                        "autoscaling_config": str(config_path),
-                        "_system_config": dict(FAST_FAILURE_DETECTION),
-                        "object_store_memory": NODE_OBJECT_STORE_BYTES,
-                        "env_vars": {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": _prov.HEAD_NODE_ID},
-                    },
-                )
-            # GcsClient: not in Ray's partial _raylet.pyi
-            self._gcs = ray._raylet.GcsClient(address=self.address)  # type: ignore[attr-defined]
+            self._gcs = _head.gcs_client(self.address)
             if self._connect_driver:
-                ray.init(address=self.address)
-                # request_resources() reads a per-process cache of "is this cluster on
-                # autoscaler v2?"; refresh it from this head.
-                is_autoscaler_v2(fetch_from_server=True)
+                _head.connect_driver(self.address)
             self._scheduler = Scheduler()
             self._scheduler.start()
         except BaseException:
@@ -186,15 +148,7 @@ class SpotCloud:
             ray.shutdown()  # first, so the driver does not report the raylets' deaths
         if self._cluster is not None:
             self._write_control(shutdown=True)
-            try:
-                wait_for(
-                    lambda: any(e["event"] == "provider_shutdown" for e in _prov.read_events(self._state_dir())),
-                    _PROVIDER_SHUTDOWN_WAIT_S,
-                    "the provider to stop its nodes",
-                )
-            except TimeoutError:
-                logger.warning("spot cloud: the provider did not confirm its shutdown; killing its raylets by pid")
-                self._kill_leftover_raylets(self.session_name)
+            _head.ensure_nodes_stopped(self._state_dir(), self.session_name)
             self._cluster.shutdown()
             self._cluster = None
         if self._dir is not None:
@@ -227,19 +181,10 @@ class SpotCloud:
     def alive_nodes(self, node_type: Optional[str] = None) -> Dict[str, str]:
         """Alive worker nodes (draining ones included) as ``{node_id_hex: node_type}``, as
         the GCS sees them."""
-        from ray.core.generated import gcs_pb2
-
         self._started()
         with self._gcs_lock:
             infos = self._gcs.get_all_node_info(timeout=10)
-        out = {}
-        for node_id, info in infos.items():
-            if info.state != gcs_pb2.GcsNodeInfo.ALIVE:
-                continue
-            names = [k[len(RESOURCE_PREFIX) :] for k in info.resources_total if k.startswith(RESOURCE_PREFIX)]
-            if names and (node_type is None or names[0] == node_type):
-                out[node_id.hex()] = names[0]
-        return out
+        return _head.alive_worker_nodes(infos, node_type)
 
     def node_counts(self) -> Dict[str, int]:
         """Alive nodes per node type (every configured type is a key)."""
@@ -402,8 +347,6 @@ class SpotCloud:
         return {e["node_id"] for e in _prov.read_events(self._state_dir()) if e["event"] == "node_up"}
 
     def _notice(self, node_type: str, node_id: str, notice_s: float) -> None:
-        from ray.core.generated import autoscaler_pb2
-
         deadline = time.monotonic() + notice_s
         with self._lock:
             self._noticed.append(node_id)
@@ -411,12 +354,7 @@ class SpotCloud:
         accepted, rejection = False, None
         if notice_s > 0:
             with self._gcs_lock:
-                accepted, rejection = self._gcs.drain_node(
-                    node_id,
-                    autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                    f"raylastic.sim: {node_type} preempted, {notice_s:g} s notice",
-                    int((time.time() + notice_s) * 1000),
-                )
+                accepted, rejection = _head.drain_for_preemption(self._gcs, node_type, node_id, notice_s)
         self._record(
             "notice",
             node_type,
@@ -458,21 +396,6 @@ class SpotCloud:
         with self._lock:
             self._events.append(rec)
         logger.info("spot cloud: %s", rec)
-
-    def _kill_leftover_raylets(self, session: str) -> None:
-        """Last resort if the provider could not stop its nodes: SIGKILL the raylets this
-        cloud started (their workers exit when their raylet is gone). A pid is killed only
-        while its command line still names this session (pids get reused)."""
-        for e in _prov.read_events(self._state_dir()):
-            if e["event"] != "node_up":
-                continue
-            for pid in (e.get("detail") or {}).get("pids", []):
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        if session.encode() in f.read():
-                            os.kill(pid, signal.SIGKILL)
-                except (OSError, ProcessLookupError):
-                    pass
 
     def _state_dir(self) -> Path:
         if self._dir is None:

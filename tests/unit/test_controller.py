@@ -401,7 +401,7 @@ def test_the_wait_for_the_last_reports_after_an_error_is_bounded(tmp_path, monke
     ("DistBackendError: NCCL communicator was aborted", 5.0),
 ])
 def test_a_plain_error_is_not_held_for_the_full_dead_peer_grace(tmp_path, message, grace):
-    from raylastic._internal.controller.controller import ERROR_CLASSIFY_GRACE_S, PLAIN_ERROR_GRACE_S
+    from raylastic._internal.controller.running_steps import ERROR_CLASSIFY_GRACE_S, PLAIN_ERROR_GRACE_S
 
     assert (PLAIN_ERROR_GRACE_S, ERROR_CLASSIFY_GRACE_S) == (1.0, 5.0)
     ctrl, group = _controller(tmp_path, min_w=2, max_w=2)

@@ -1,4 +1,4 @@
-"""The HTTP client the preemption-notice sources (``notices.py``) talk to metadata
+"""The HTTP client the preemption-notice sources (``notice_sources.py``) talk to metadata
 services with: ``urllib`` only, short timeouts, no proxies, errors as
 :class:`MetadataError`. Split out so each source's parsing reads on its own.
 """

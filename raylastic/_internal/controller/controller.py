@@ -12,7 +12,8 @@ One loop, ``run -> _tick -> _step_<state> -> next state``; each collaborator own
 - ``ReportIngest`` (``ingest.py``): the one path for workers' reports and metrics;
 - policies (scaling, failure, capacity through ``CapacityDriver``, stop index): decide.
 
-The capacity and failure steps are mixins of this class: ``capacity_steps.py``, ``failure_steps.py``.
+The Running, Resizing, capacity and failure steps are mixins of this class: ``running_steps.py``,
+``resize_steps.py``, ``capacity_steps.py``, ``failure_steps.py``.
 The controller makes no actor call and imports no torch, so ``tests/unit/test_controller.py``
 steps it against a fake group.
 """
@@ -28,10 +29,11 @@ from raylastic._internal.protocol import TrainFunc
 from raylastic._internal.cluster.capacity_driver import CapacityDriver
 from raylastic._internal.controller.capacity_steps import CapacitySteps
 from raylastic._internal.controller.failure_steps import FailureSteps
-from raylastic._internal.controller.graceful_stop import AllFinished, Failed, GracefulStop
 from raylastic._internal.controller.hooks import RunHooks
 from raylastic._internal.controller.ingest import ReportIngest
 from raylastic._internal.controller.memory_restore import MemoryRestore
+from raylastic._internal.controller.resize_steps import ResizeSteps
+from raylastic._internal.controller.running_steps import RunningSteps
 from raylastic._internal.controller.states import (
     Errored,
     Finished,
@@ -43,26 +45,22 @@ from raylastic._internal.controller.states import (
     is_terminal,
 )
 from raylastic._internal.worker_group.group import (
-    ABORT_JOIN_MIN_S,
     GroupFormationError,
     Interrupted,
     MembersLost,
-    PollBatch,
     WorkerGroup,
 )
 from raylastic._internal.worker_group.pool import WorkerHandle
-from raylastic._internal.worker_group.results import PollResult, WorkerStatus, maybe_collateral, rank_errors
 from raylastic.checkpoint.manager import CheckpointManager
 from raylastic.checkpoint.storage import StorageError
 from raylastic.config import RunConfig, ScalingConfig, describe, describe_run
 from raylastic.errors import (
     InsufficientCapacityError,
-    SnapshotMismatchError,
     TrainingAborted,
     TrainingFailedError,
     storage_failure,
 )
-from raylastic.events import EventKind, EventLog, LossCause
+from raylastic.events import EventKind, EventLog
 from raylastic.policies.base import Noop, Raise, Resize, Wait
 from raylastic.policies.failure import FailureCounts, FailurePolicy
 from raylastic.policies import from_configs
@@ -70,21 +68,8 @@ from raylastic.policies.scaling import ElasticScalingPolicy, ScalingSnapshot
 
 logger = logging.getLogger("raylastic")
 
-# After a rank raises, how long to look for a dead peer before calling it a real error
-# (a rank whose peer vanished mid-collective raises a connection error first); only 1 s, and only
-# a peer Ray says is dead (not a slow one), when no error is one a lost peer causes (``maybe_collateral``).
-ERROR_CLASSIFY_GRACE_S = 5.0
-PLAIN_ERROR_GRACE_S = 1.0
-# After an abort (a peer lost), a rank that is computing unwinds at its next report, within
-# about a step, and one blocked in a gloo collective at once (the abort shuts the group's
-# connections down: process_group.abort_group). One that is not back after
-# max(ABORT_JOIN_MIN_S, ABORT_JOIN_STEPS steps) is stuck where no abort reaches it (its
-# own code, an NCCL operation, a group gloo joined lazily). Replacing that worker (a new
-# process, state by broadcast) costs seconds; waiting for the group timeout, a minute.
-ABORT_JOIN_STEPS = 3
 
-
-class Controller(CapacitySteps, FailureSteps):
+class Controller(RunningSteps, ResizeSteps, CapacitySteps, FailureSteps):
     """Ray actor body. ``run()`` blocks until training ends and returns an outcome dict.
 
     ``scaling_policy``, ``failure_policy`` and ``group`` default to the ones the configs
@@ -375,171 +360,7 @@ class Controller(CapacitySteps, FailureSteps):
             memory_index=restore.memory_index,
         )
 
-    # -- Running -------------------------------------------------------------------
-    def _step_running(self, st: Running) -> State:
-        batch = self._group.watch(st.members)
-        self._ingest.ingest(st.progress, st.members, batch.results)
-        failures = rank_errors(st.members, batch.results, st.epoch)
-        for wid, r in batch.results.items():
-            if r.status == WorkerStatus.FINISHED:
-                st.progress.finished[wid] = r.return_value
-        if batch.lost:
-            return self._on_failure(st, batch, failures)
-        if (
-            failures
-            and st.memory_index is not None
-            and all(f.message.startswith(SnapshotMismatchError.__name__) for f in failures)
-        ):
-            return self._memory_snapshot_unusable(st, failures)
-        if failures:
-            failed = {st.members[f.rank].wid for f in failures}
-            collateral = any(map(maybe_collateral, failures))
-            grace = ERROR_CLASSIFY_GRACE_S if collateral else PLAIN_ERROR_GRACE_S
-            dead = self._group.wait_for_dead_peer([m for m in st.members if m.wid not in failed], grace, collateral)
-            if not dead:  # a real error: the others' reports made before it still count
-                batch = self._collect_last_reports(st, failures)
-                return self._on_failure(st, batch, failures)
-            return self._on_failure(st, PollBatch(lost=[m for m in st.members if m.wid in dead], causes=dead), failures)
-        if len(st.progress.finished) == len(st.members):
-            index = st.progress.reached()
-            self._events.emit(
-                EventKind.RUN_FINISHED, f"training finished at report {index}", epoch=st.epoch, index=index
-            )
-            return Finished(return_value=st.progress.finished.get(st.members[0].wid))
-        if st.progress.finished:
-            time.sleep(self._run.poll_interval_s)
-            return st  # the rest are finishing their last step
-        drained = self._group.drained(st.members)
-        if drained:
-            nodes = sorted({m.node_id for m in drained})
-            self._events.emit(
-                EventKind.PREEMPTION_NOTICE,
-                f"preemption notice for node(s) {', '.join(n[-8:] for n in nodes)}: "
-                f"moving {len(drained)} worker(s) off before the deadline",
-                nodes=nodes,
-                deadlines_ms=[self._group.draining.get(n) for n in nodes],
-                epoch=st.epoch,
-            )
-            return Resizing(
-                epoch=st.epoch,
-                members=st.members,
-                reason="preemption notice",
-                graceful=True,
-                started_at=time.monotonic(),
-                leaving=drained,
-                progress=st.progress,
-            )
-        snap = ScalingSnapshot(
-            now=time.monotonic(),
-            group_size=len(st.members),
-            ready_spares=len(self._group.ready_spares(st.members)),
-            last_ready_at=self._group.last_ready_at,
-            waiting_since=None,
-        )
-        d = self._scaling_policy.decide(snap)
-        if isinstance(d, Resize):
-            self._events.emit(EventKind.DECISION, d.reason, decision="resize", world_size=d.world_size)
-            return Resizing(
-                epoch=st.epoch,
-                members=st.members,
-                reason=d.reason,
-                graceful=True,
-                started_at=time.monotonic(),
-                progress=st.progress,
-            )
-        time.sleep(self._run.poll_interval_s)
-        return st
-
-    # -- Resizing ------------------------------------------------------------------
-    def _step_resizing(self, st: Resizing) -> State:
-        if st.graceful:
-            if st.stop is None:
-                st.stop = GracefulStop(
-                    st,
-                    self._group,
-                    self._ingest,
-                    self._events,
-                    lambda: [c.index for c in self._ckpt.committed],
-                    self._run.poll_interval_s,
-                )
-            outcome = st.stop.tick()
-            if outcome is None:
-                return st  # still stopping: the loop checks for Ctrl-C between ticks
-            if isinstance(outcome, Failed):
-                return self._on_failure(st, outcome.batch, list(outcome.failures))
-            if isinstance(outcome, AllFinished):
-                self._events.emit(EventKind.RUN_FINISHED, "training finished while resizing")
-                return Finished(return_value=outcome.return_value)
-            if outcome.timed_out:  # some rank never reached the stop index: abort instead
-                self._drain_survivors(st, self._stop_members(st.members, graceful=False))
-                self._release_leaving(st)
-            else:
-                self._stop_members(st.members, graceful=True)
-                self._memory.evacuate(st.members, st.leaving, outcome.index, st.epoch)
-                self._release_leaving(st)
-        else:
-            last_words = self._stop_members(st.members, graceful=False)
-            self._drain_survivors(st, last_words)
-        self._restarts += 1
-        if not st.graceful:
-            self._recoveries += 1
-        staying = [m for m in st.members if m not in st.leaving and self._group.is_member(m)]
-        plan = self._memory.plan(staying, self._restarts, self._ckpt.latest_valid())
-        reached = max(self._ingest.last_index, plan.index)
-        lost_steps = reached - plan.index
-        source = "in-memory snapshot" if plan.memory_index is not None else "checkpoint"
-        self._events.emit(
-            EventKind.RESIZE,
-            f"resizing from {len(self._world_sizes) and self._world_sizes[-1]} workers: {st.reason}; "
-            f"restoring {source} {plan.index if plan.checkpoint_rel or plan.memory_index else 'none'} "
-            f"({lost_steps} step(s) to redo)",
-            epoch=st.epoch,
-            reason=st.reason,
-            graceful=st.graceful,
-            survivors=len(st.members),
-            reached_index=reached,
-            restore_index=plan.index,
-            restore_source=source,
-            lost_steps=lost_steps,
-            resize_s=time.monotonic() - st.started_at,
-        )
-        return Scheduling(since=time.monotonic())
-
-    def _release_leaving(self, st: Resizing) -> None:
-        """Let the leaving members of a stopped group go (drained nodes, migrations);
-        one replaced while stuck already has its ``worker_lost``."""
-        for m in st.leaving:
-            if not self._group.is_member(m):
-                continue
-            cause = LossCause.PREEMPTED if m.node_id in self._group.draining else LossCause.RELEASED
-            self._worker_lost(
-                m, cause, f"worker rank {m.prev_rank} {cause.value}: off node {m.node_id[-8:]} ({st.reason})"
-            )
-
-    def _stop_members(self, members: List[WorkerHandle], graceful: bool) -> Dict[int, PollResult]:
-        """Make members' train threads exit; replace any that does not in time, after
-        moving the snapshot shards only it holds. Returns the replaced ones' last words."""
-        abort_join_s = max(ABORT_JOIN_MIN_S, ABORT_JOIN_STEPS * self._ingest.step_time_s)
-        out = self._group.stop(members, self._epoch, graceful, abort_join_s)
-        last_words = {}
-        for h in out.hung:
-            if h.last_words is not None:
-                last_words[h.member.wid] = h.last_words
-                self._memory.rescue(h.member, out.stopped)
-            self._worker_lost(
-                h.member, LossCause.HUNG, f"worker rank {h.member.prev_rank} {h.why}; replacing it", stuck_at=h.stuck_at
-            )
-        return last_words
-
-    def _drain_survivors(self, st: Resizing, last_words: Dict[int, PollResult]) -> None:
-        """Collect the survivors' last reports (a replaced worker's from its last words),
-        then commit what the lost ranks could not have added to (see
-        ``CheckpointManager.commit_after_loss``)."""
-        batch = self._group.poll(st.members)
-        self._ingest.ingest(st.progress, st.members, {**last_words, **batch.results}, first_step=False)
-        if st.lost_ranks:
-            self._ckpt.commit_after_loss(st.lost_ranks)
-
+    # -- stopping the run ----------------------------------------------------------
     def _abort_all(self, reason: str) -> None:
         self._events.emit(EventKind.DECISION, reason, decision="abort")
         self._group.abort(getattr(self._state, "members", []), self._epoch)

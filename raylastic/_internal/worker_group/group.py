@@ -10,8 +10,9 @@ Every wait here is interruptible: ``interrupt()`` (called on Ctrl-C or
 raises :class:`Interrupted`. So a stop is seen within a second even in the middle
 of a graceful stop or an evacuation (whose calls can take up to ``JOIN_TIMEOUT_S``).
 
-``tests/unit/test_controller.py`` has a fake with the same methods, to step the
-controller by hand without Ray.
+The calls that stop members (abort, join, last words) are a mixin of this class:
+``stopping.py``. ``tests/unit/fake_group.py`` has a fake with the same methods, to step
+the controller by hand without Ray.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from raylastic._internal.worker_group.membership import (  # noqa: F401 - re-exp
     local_ranks,
     order_by_node,
 )
-from raylastic._internal.worker_group.results import Holdings, PersistedSnapshot, PollResult, StopAnswer
+from raylastic._internal.worker_group.results import Holdings, PersistedSnapshot
+from raylastic._internal.worker_group.stopping import ABORT_JOIN_MIN_S, JOIN_TIMEOUT_S, StopCalls
 from raylastic.config import RunConfig, ScalingConfig
 from raylastic._internal.protocol import GroupSpec, RestoreInfo
 
@@ -47,12 +49,6 @@ logger = logging.getLogger("raylastic")
 # How long a worker may not answer polls before it is declared lost. Ray's own health
 # checks usually declare the actor dead sooner (see README: failure detection).
 UNAVAILABLE_GRACE_S = 15.0
-# How long survivors get to unwind their train function before being replaced, and the bound on one
-# call that moves snapshot shards.
-JOIN_TIMEOUT_S = 30.0
-# After an abort, the least time a worker gets to unwind (see ``stop``), and the bound on
-# asking a worker about to be replaced for its last words.
-ABORT_JOIN_MIN_S = 5.0
 GROUP_TIMEOUT_S = 60.0  # process-group formation timeout
 SLICE_S = 0.25  # how often a wait checks the stop flag
 DRAIN_CHECK_INTERVAL_S = 0.5  # how often to ask the GCS which nodes are draining (notices)
@@ -65,7 +61,7 @@ MAX_POLLS_PER_S = 200.0
 WATCH_CALL_S = 30.0  # how long one watch call (``TrainWorker.join``) waits before it is renewed
 
 
-class WorkerGroup:
+class WorkerGroup(StopCalls):
     """Owns the worker pool and every worker-actor call (see the module docstring)."""
 
     def __init__(self, pool: WorkerPool, poll_interval_s: float):
@@ -379,87 +375,6 @@ class WorkerGroup:
         deadlines_ms = [self.draining.get(m.node_id) for m in leaving]
         deadlines = [d / 1000.0 for d in deadlines_ms if d]
         return min(deadlines) - time.time() if deadlines else float("inf")
-
-    # -- stopping ------------------------------------------------------------------------
-    def request_stop_at(self, members: Sequence[WorkerHandle], index: int) -> List[StopAnswer]:
-        """Ask every member to stop right after report ``index``; ``MembersLost`` if some
-        are gone."""
-        return self._call_all(members, lambda m: m.actor.request_stop_at.remote(index), JOIN_TIMEOUT_S)
-
-    def abort(self, members: Sequence[WorkerHandle], epoch: int) -> Dict[int, Any]:
-        """Tell members to unwind the train function of ``epoch`` now (no waiting);
-        returns each call's ref by wid (it answers how many connections were shut)."""
-        refs = {}
-        for m in members:
-            try:
-                refs[m.wid] = m.actor.abort.remote(epoch)
-            except Exception:  # noqa: BLE001 - an actor already gone
-                pass
-        return refs
-
-    def stop(self, members: Sequence[WorkerHandle], epoch: int, graceful: bool, abort_join_s: float) -> StopOutcome:
-        """Make members' train threads exit: wait for them (``graceful``: they stop at
-        an agreed report, within ``JOIN_TIMEOUT_S``), or abort them first and wait
-        ``abort_join_s``. A member that does not exit is returned as hung, with where it
-        was stuck and its last words, for the controller to rescue and replace."""
-        if not members:
-            return StopOutcome([], [])
-        timeout_s, aborts = JOIN_TIMEOUT_S, {}
-        if not graceful:
-            aborts = self.abort(members, epoch)
-            timeout_s = abort_join_s
-        refs = {m.actor.join.remote(timeout_s): m for m in members}
-        # The aborts too: a thread that stopped on its own can join before its abort
-        # ran (actor calls run in a thread pool), and the next group must not form first.
-        if aborts:
-            self._wait(list(aborts.values()), timeout_s + 5)
-        done, not_done = self._wait(list(refs), timeout_s + 5)
-        stopped, hung = [], [(refs[ref], "did not answer") for ref in not_done]
-        for ref in done:
-            try:
-                if ray.get(ref):
-                    stopped.append(refs[ref])
-                    continue
-            except RayActorError:
-                pass
-            hung.append((refs[ref], "did not stop in time"))
-        wheres = self._where_stuck([m for m, _why in hung], aborts)
-        return StopOutcome(stopped, [HungWorker(m, why, wheres[m.wid], self._last_words(m)) for m, why in hung])
-
-    def _where_stuck(self, hung: List[WorkerHandle], aborts: Dict[int, Any]) -> Dict[int, str]:
-        """What workers about to be replaced were doing, for the event log: how many
-        group connections each one's abort shut down, and its train thread's innermost
-        frames. Asked of all at once, under one deadline."""
-        stacks = {m.wid: m.actor.train_stack.remote() for m in hung}
-        self._wait(list(stacks.values()), ABORT_JOIN_MIN_S)
-        out = {}
-        for m in hung:
-            parts = []
-            for label, ref in (("abort shut {} group connection(s)", aborts.get(m.wid)), ("{}", stacks[m.wid])):
-                if ref is None:
-                    continue
-                try:
-                    parts.append(label.format(ray.get(ref, timeout=0.1)))
-                except Exception as e:  # noqa: BLE001 - an actor that does not answer: say so
-                    parts.append(f"no answer ({type(e).__name__})")
-            out[m.wid] = "\n".join(p for p in parts if p)
-            logger.warning("replacing rank %s, which did not unwind: %s", m.prev_rank, out[m.wid])
-        return out
-
-    def _last_words(self, m: WorkerHandle) -> Optional[PollResult]:
-        """The reports a worker about to be replaced made since the last poll (its
-        actor answers; only its train thread is stuck), so its metrics and checkpoint
-        records are not lost with it. The poll also refreshes what snapshots it holds.
-        None if it does not answer."""
-        try:
-            last = self._get(m.actor.poll.remote(), ABORT_JOIN_MIN_S)
-        except Interrupted:
-            raise
-        except Exception as e:  # noqa: BLE001 - a dead or unresponsive actor: nothing to save
-            logger.debug("no last reports from rank %s: %s", m.prev_rank, e)
-            return None
-        m.update_holdings(last.holdings)
-        return last
 
     # -- snapshots -----------------------------------------------------------------------
     def refresh_holdings(self, members: Sequence[WorkerHandle]) -> None:
