@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 
 import torch.distributed as dist
 
+from raylastic._internal.distributed import abortable_wait
+
 logger = logging.getLogger(__name__)
 
 _store: Optional[dist.TCPStore] = None
@@ -140,6 +142,7 @@ def init_group(
         _group_conns = (epoch, _gloo_connections(prefixed, rank, range(world_size), before))
         _epoch_store = prefixed
         _track_new_groups()
+    abortable_wait.group_formed(epoch, backend, timeout_s)
 
 
 def _track_new_groups() -> None:
@@ -185,6 +188,7 @@ def _record_new_group(group: Any, epoch: int, store: Any, before: set) -> None:
     )
     if _group_conns[0] == epoch:  # swapped whole: an abort never sees half of it
         _group_conns = (epoch, {**_group_conns[1], **conns})
+        abortable_wait.group_added(group)
 
 
 @contextlib.contextmanager
@@ -299,6 +303,7 @@ def abort_group(epoch: int) -> int:
     group_epoch, conns = _group_conns
     if epoch != group_epoch:
         return 0
+    abortable_wait.aborted(epoch)  # and what no shutdown wakes, the train thread gives up
     shut = 0
     for fd, inode in conns.items():
         with _borrowed(fd) as s:  # None: closed since (gloo drops a pair whose peer vanished)
@@ -330,6 +335,7 @@ def destroy_group() -> None:
     """Leave the current group, if any. Safe to call when none exists."""
     global _group_conns, _epoch_store
     _group_conns, _epoch_store = (None, {}), None
+    abortable_wait.group_left()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

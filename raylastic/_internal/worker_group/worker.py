@@ -249,9 +249,12 @@ class TrainWorker:
         self._train.submit(lambda: self._run(train_func, config, sess))
 
     def _run(self, train_func: Callable, config: Optional[Dict[str, Any]], sess: Session) -> None:
+        from raylastic._internal.distributed.abortable_wait import abandon_waits_on_abort
+
         status, error, tb, value = WorkerStatus.FINISHED, None, "", None
         try:
-            value = _call(train_func, config)
+            with abandon_waits_on_abort():  # a gloo wait no abort wakes ends anyway
+                value = _call(train_func, config)
             self._finish_uploads(sess)
         except StopTraining:
             status = WorkerStatus.STOPPED
