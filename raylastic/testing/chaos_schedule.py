@@ -118,15 +118,7 @@ class ChaosSchedule:
                 if kind in bag:
                     bag.remove(kind)
             up += -kind.nodes_removed if kind is not FaultKind.ADD_NODE else 1
-            out.append(
-                Fault(
-                    at_s=round(t, 2),
-                    kind=kind,
-                    pick=rng.randrange(1 << 16),
-                    deadline_s=round(rng.uniform(*drain_deadline_s), 2) if kind is FaultKind.DRAIN_NODE else None,
-                    outage_s=outage_s if kind is FaultKind.STOP_STORAGE else None,
-                )
-            )
+            out.append(_draw(rng, t, kind, drain_deadline_s, outage_s))
             t += rng.uniform(lo, hi)
         return cls(seed=seed, faults=tuple(out), nodes=nodes, min_nodes=min_nodes)
 
@@ -154,15 +146,7 @@ class ChaosSchedule:
             up += 1 if kind is FaultKind.ADD_NODE else -kind.nodes_removed
             if not (min_nodes <= up <= nodes):
                 raise ValueError(f"fault {i} ({kind.value}) leaves {up} node(s); allowed: {min_nodes}..{nodes}")
-            out.append(
-                Fault(
-                    at_s=round(t, 2),
-                    kind=kind,
-                    pick=rng.randrange(1 << 16),
-                    deadline_s=round(rng.uniform(*drain_deadline_s), 2) if kind is FaultKind.DRAIN_NODE else None,
-                    outage_s=outage_s if kind is FaultKind.STOP_STORAGE else None,
-                )
-            )
+            out.append(_draw(rng, t, kind, drain_deadline_s, outage_s))
             t += rng.uniform(lo, hi)
         return cls(seed=seed, faults=tuple(out), nodes=nodes, min_nodes=min_nodes)
 
@@ -181,6 +165,20 @@ class ChaosSchedule:
             "min_nodes": self.min_nodes,
             "faults": [f.to_json() for f in self.faults],
         }
+
+
+def _draw(
+    rng: random.Random, t: float, kind: FaultKind, drain_deadline_s: Tuple[float, float], outage_s: float
+) -> Fault:
+    """The fault of ``kind`` at ``t``: its victim pick (and a drain's deadline) drawn from
+    ``rng``, in the order both schedules have always drawn them (a seed's schedule stays)."""
+    return Fault(
+        at_s=round(t, 2),
+        kind=kind,
+        pick=rng.randrange(1 << 16),
+        deadline_s=round(rng.uniform(*drain_deadline_s), 2) if kind is FaultKind.DRAIN_NODE else None,
+        outage_s=outage_s if kind is FaultKind.STOP_STORAGE else None,
+    )
 
 
 def _fits(kind: FaultKind, up: int, nodes: int, min_nodes: int, remaining: int) -> bool:
