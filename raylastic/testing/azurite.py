@@ -24,9 +24,9 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 from raylastic.testing._server import STARTUP_TIMEOUT_S, ServerProcess
-from raylastic.testing.ports import free_ports
+from raylastic.testing.ports import free_ports, listening_ports
 
 __all__ = ["Azurite", "AzuriteNotInstalled", "find_azurite"]
 
@@ -142,7 +142,7 @@ class Azurite(ServerProcess):
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 break
-            if all(_port_open(self.host, p) for p in ports):
+            if self._serving(proc.pid, ports):
                 time.sleep(0.05)  # a port grabbed by someone else makes azurite exit at once
                 if proc.poll() is None:
                     return
@@ -156,6 +156,14 @@ class Azurite(ServerProcess):
             f"log tail:\n{self._log_tail()}\nIf the port is taken, retry; raise startup_timeout_s "
             f"on a loaded machine."
         )
+
+    def _serving(self, pid: int, ports: Tuple[int, int, int]) -> bool:
+        """Azurite's own processes listen on all three ports (where ``/proc`` tells; else
+        each port answers, which a port held by another process does too)."""
+        mine = listening_ports(pid)  # its own process group: its pid is the group's id
+        if mine is not None:
+            return set(ports) <= mine
+        return all(_port_open(self.host, p) for p in ports)
 
     def stop(self, grace_s: Optional[float] = None) -> None:
         """Kill the emulator's process group and wait for it (in-memory data is lost)."""

@@ -13,9 +13,10 @@ number.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
-from typing import List, Tuple
+from typing import List, Optional, Set, Tuple
 
 # Ray's default worker ports (``--min-worker-port`` / ``--max-worker-port``) end here.
 _ABOVE_RAY_WORKER_PORTS = 20000
@@ -68,3 +69,39 @@ def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
 
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
+
+
+def listening_ports(pgid: int) -> Optional[Set[int]]:
+    """The TCP ports on which a process of process group ``pgid`` listens (Linux ``/proc``;
+    None elsewhere).
+
+    Why not "a connection to the port succeeds": a port someone else already listens on
+    answers too, and a server that failed to bind it may not have exited yet (Azurite on a
+    loaded machine was taken for ready on a port held by another process)."""
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    inodes: Set[str] = set()
+    for pid in pids:
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    ports: Set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
