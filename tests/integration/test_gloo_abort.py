@@ -7,7 +7,7 @@ import json
 import pytest
 import torch.multiprocessing as mp
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(400)
 
 
 def _rank(rank, ports, out_dir):
@@ -230,10 +230,34 @@ def _wait_for(out_dir, name, timeout_s=60.0):
         return fh.read()
 
 
+def _queued_bytes(pid):
+    """Bytes waiting in the send queues of ``pid``'s TCP connections (Linux /proc)."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    queued = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for row in fh.read().splitlines()[1:]:
+                f = row.split()
+                if f[9] in inodes and f[3] == "01":  # ESTABLISHED
+                    queued += int(f[4].split(":")[0], 16)
+    return queued
+
+
 def broadcast_to_a_killed_rank(out_dir, abandon):
     """Rank 1 enters a broadcast from rank 0 and is stopped (SIGSTOP) before rank 0 sends:
     rank 0's send fills the connection's buffers and waits in gloo's queue, then rank 1 is
-    killed and rank 0 aborted. Returns rank 0's results."""
+    killed and rank 0 aborted. Returns rank 0's results, with ``queued``: whether rank 0's
+    send was seen waiting in its socket's queue before the kill (the case to test; not
+    when rank 1 was stopped before its receive reached rank 0, a slow machine's case)."""
     import os
     import signal
     import time
@@ -244,15 +268,18 @@ def broadcast_to_a_killed_rank(out_dir, abandon):
     root.start()
     victim.start()
     try:
-        _wait_for(out_dir, "posted")
-        time.sleep(0.3)  # rank 0 has rank 1's "receive posted" message
+        _wait_for(out_dir, "posted", 40.0)
+        time.sleep(0.3)  # rank 0 has rank 1's "receive posted" message (checked below)
         os.kill(victim.pid, signal.SIGSTOP)
         _put(out_dir, "send", "")
-        _wait_for(out_dir, "sending")
-        time.sleep(0.5)  # the connection's buffers are full: the rest waits in gloo's queue
+        _wait_for(out_dir, "sending", 20.0)
+        deadline = time.monotonic() + 5.0
+        while _queued_bytes(root.pid) < 1 << 20 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the connection's buffers fill: the rest waits in gloo's queue
+        queued = _queued_bytes(root.pid) >= 1 << 20
         os.kill(victim.pid, signal.SIGKILL)
         _put(out_dir, "abort", "")
-        return json.loads(_wait_for(out_dir, "rank0", 90.0))
+        return dict(json.loads(_wait_for(out_dir, "rank0", 45.0)), queued=queued)
     finally:
         for p in (root, victim):
             if p.is_alive():
@@ -266,7 +293,13 @@ def test_a_collective_gloo_never_wakes_after_its_peer_died_is_given_up_after_the
     without ``abandon_waits_on_abort`` this broadcast waits out the 30 s group timeout);
     the train thread's wait gives up 0.5 s after the abort, and the group's teardown, where
     the next formation starts, does not wait for the stuck operation."""
-    r0 = broadcast_to_a_killed_rank(str(tmp_path), abandon=True)
+    for attempt in range(3):  # until rank 0's send was seen stuck in its queue
+        out_dir = tmp_path / f"attempt{attempt}"
+        out_dir.mkdir()
+        r0 = broadcast_to_a_killed_rank(str(out_dir), abandon=True)
+        if r0["queued"]:
+            break
+    assert r0["queued"], r0
     assert r0["op"] == "WaitAbandoned", r0
     assert r0["ended_after_abort_s"] < 10, r0  # the group timeout is 30 s
     assert r0["destroy_s"] < 5, r0

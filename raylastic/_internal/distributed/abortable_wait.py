@@ -22,18 +22,20 @@ must not run in the train thread or in the next group's formation.
 Only for plain gloo groups (NCCL has its own watchdog), only collectives (a point-to-point
 wait with a timeout fails its group when it passes), only in a thread that asked
 (``abandon_waits_on_abort``): raylastic's own side-group threads keep plain waits. Waits
-inside C++ (DDP's reducer) are not Python calls and are not covered; the controller still
-replaces a rank that does not unwind.
+inside C++ (DDP's reducer; gloo's reduce-scatter, a work that waits on its all-reduces in
+C++ and takes no timeout) are not covered; the controller still replaces a rank that does
+not unwind.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import threading
 import time
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -51,8 +53,8 @@ _SLICE_ENDED = "Operation timed out!"  # c10d::Work::wait(timeout), the work lef
 _SLICED_OPS = frozenset({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 16, 18})
 
 _local = threading.local()  # .on: this thread gives waits up after an abort
-# (epoch, timeout_s, groups) of the current gloo group, None when there is none (or NCCL)
-_current: Optional[Tuple[int, float, List[Any]]] = None
+# (epoch, timeout_s) of the current gloo group, None when there is none (or NCCL)
+_current: Optional[Tuple[int, float]] = None
 _aborted: Tuple[Optional[int], float] = (None, 0.0)  # (epoch, monotonic time) of the last abort
 _held: List[List[Any]] = []  # groups of aborted epochs, released once their timeout has passed
 _lock = threading.Lock()
@@ -64,24 +66,34 @@ class WaitAbandoned(RuntimeError):
 
 
 def group_formed(epoch: int, backend: str, timeout_s: float) -> None:
-    """The epoch's default group is formed: its waits (and those of gloo groups created in
-    the epoch, ``group_added``) become abortable in threads that asked."""
-    global _current
+    """The epoch's default group is formed: its collective waits become abortable in
+    threads that asked. Forgets any earlier abort: a kept worker serves the next ``fit()``,
+    whose epochs count from 1 again."""
+    global _current, _aborted
+    _aborted = (None, 0.0)
     if backend != "gloo":
         _current = None
         return
     _install()
-    _current = (epoch, timeout_s, [dist.distributed_c10d._get_default_group()])
+    _current = (epoch, timeout_s)
 
 
-def group_added(group: Any) -> None:
-    if _current is not None:
-        _current[2].append(group)
+def group_added(backend: str) -> None:
+    """The train function created a group in the epoch: one not of plain gloo (an NCCL
+    subgroup, whose wait with a timeout is not harmless) turns slicing off for the epoch."""
+    global _current
+    if backend != "gloo":
+        _current = None
 
 
 def group_left() -> None:
+    """The epoch's groups are about to be destroyed: if the epoch was aborted, an operation
+    may still be stuck in one of them (one the train thread never waited for, or a side
+    group's), so every live group is held until the epoch's timeout has ended it."""
     global _current
-    _current = None
+    current, _current = _current, None
+    if current is not None and _aborted[0] == current[0]:
+        _hold(current)
 
 
 def aborted(epoch: int) -> None:
@@ -94,11 +106,44 @@ def aborted(epoch: int) -> None:
 def abandon_waits_on_abort() -> Iterator[None]:
     """In this thread (the train thread, for one attempt), a collective wait of a gloo
     group ends with ``WaitAbandoned`` once its group has been aborted."""
+    before = getattr(_local, "on", False)
     _local.on = True
     try:
         yield
     finally:
-        _local.on = False
+        _local.on = before
+
+
+def sliced_wait(work: Any, timeout: datetime.timedelta, original: Callable[[Any, datetime.timedelta], Any]) -> Any:
+    """``work.wait(timeout)`` through torch's ``original``: in slices, given up after an
+    abort, where this module applies; as torch waits everywhere else."""
+    current = _current  # read once: the next formation may clear it meanwhile
+    if timeout != _FOREVER or current is None or not getattr(_local, "on", False):
+        return original(work, timeout)
+    try:
+        sliced = work._get_op_type() in _SLICED_OPS
+    except Exception:  # noqa: BLE001 - a work of another kind: waited as torch waits
+        sliced = False
+    if not sliced:
+        return original(work, timeout)
+    while True:
+        try:
+            return original(work, _SLICE)
+        except RuntimeError as e:
+            if _SLICE_ENDED not in str(e):  # the operation's own error, or its own timeout
+                raise
+        epoch, at = _aborted
+        if epoch == current[0] and time.monotonic() - at >= ABANDON_AFTER_S:
+            _hold(current)
+            logger.warning(
+                "gave up a collective wait %.1f s after epoch %s's abort: gloo does not wake it",
+                time.monotonic() - at,
+                epoch,
+            )
+            raise WaitAbandoned(
+                f"a collective wait of epoch {epoch}'s gloo group given up {ABANDON_AFTER_S} s after "
+                "the group's abort (a peer is gone; gloo would wait out the group timeout)"
+            )
 
 
 def _install() -> None:
@@ -108,45 +153,25 @@ def _install() -> None:
     work = dist.distributed_c10d.Work
     _torch_wait = original = work.wait
 
+    @functools.wraps(original)
     def wait(self: Any, timeout: datetime.timedelta = _FOREVER) -> Any:
-        if timeout != _FOREVER or not getattr(_local, "on", False) or _current is None:
-            return original(self, timeout)
-        try:
-            sliced = self._get_op_type() in _SLICED_OPS
-        except Exception:  # noqa: BLE001 - a work of another kind: waited as torch waits
-            sliced = False
-        if not sliced:
-            return original(self, timeout)
-        current = _current
-        while True:
-            try:
-                return original(self, _SLICE)
-            except RuntimeError as e:
-                if _SLICE_ENDED not in str(e):  # the operation's own error, or its own timeout
-                    raise
-            epoch, at = _aborted
-            if epoch == current[0] and time.monotonic() - at >= ABANDON_AFTER_S:
-                _hold(current)
-                logger.warning(
-                    "gave up a collective wait (op type %s) %.1f s after epoch %s's abort: gloo does not wake it",
-                    self._get_op_type(),
-                    time.monotonic() - at,
-                    epoch,
-                )
-                raise WaitAbandoned(
-                    f"a collective wait of epoch {epoch}'s gloo group given up {ABANDON_AFTER_S} s after "
-                    "the group's abort (a peer is gone; gloo would wait out the group timeout)"
-                )
+        return sliced_wait(self, timeout, original)
 
     work.wait = wait  # type: ignore[method-assign]
 
 
-def _hold(current: Tuple[int, float, List[Any]]) -> None:
-    """Keep the aborted epoch's groups referenced until its operations have timed out."""
-    groups = current[2]
+def _hold(current: Tuple[int, float]) -> None:
+    """Keep every live process group referenced until the aborted epoch's operations have
+    timed out: their destructor joins gloo's threads, one of which may be stuck."""
+    try:
+        groups = list(dist.distributed_c10d._world.pg_map)
+    except Exception:  # noqa: BLE001 - no groups to hold
+        return
+    if not groups:
+        return
     with _lock:
-        if any(h is groups for h in _held):
-            return
+        if any(set(map(id, h)) >= set(map(id, groups)) for h in _held):
+            return  # held already (given up, then left)
         _held.append(groups)
 
     def release() -> None:

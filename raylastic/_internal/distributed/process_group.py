@@ -138,11 +138,11 @@ def init_group(
 
         torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
+    abortable_wait.group_formed(epoch, backend, timeout_s)  # before an abort of this epoch can be recorded
     if backend == "gloo":  # gloo connects its full mesh during init (unless lazy init is on)
         _group_conns = (epoch, _gloo_connections(prefixed, rank, range(world_size), before))
         _epoch_store = prefixed
         _track_new_groups()
-    abortable_wait.group_formed(epoch, backend, timeout_s)
 
 
 def _track_new_groups() -> None:
@@ -181,14 +181,16 @@ def _track_new_groups() -> None:
 
 def _record_new_group(group: Any, epoch: int, store: Any, before: set) -> None:
     global _group_conns
-    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_backend(group) != "gloo":
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    abortable_wait.group_added(dist.get_backend(group))
+    if dist.get_backend(group) != "gloo":
         return
     conns = _gloo_connections(
         store, dist.get_rank(), dist.get_process_group_ranks(group), before, tag=f"{group.group_name}/"
     )
     if _group_conns[0] == epoch:  # swapped whole: an abort never sees half of it
         _group_conns = (epoch, {**_group_conns[1], **conns})
-        abortable_wait.group_added(group)
 
 
 @contextlib.contextmanager
