@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import random
 import socket
-from typing import List, Optional, Set, Tuple
+from typing import Iterable, List, NamedTuple, Optional, Set, Tuple
 
 # Ray's default worker ports (``--min-worker-port`` / ``--max-worker-port``) end here.
 _ABOVE_RAY_WORKER_PORTS = 20000
@@ -71,6 +71,39 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+class TcpSocket(NamedTuple):
+    state: str  # the kernel's hex code: "01" established, "0A" listening
+    port: int  # the local port
+    queued: int  # bytes in its send queue
+
+
+def tcp_sockets(pids: Iterable[int]) -> Optional[List[TcpSocket]]:
+    """The TCP sockets these processes hold open (Linux ``/proc``; None elsewhere)."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    inodes: Set[str] = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    out: List[TcpSocket] = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[9] in inodes:
+                out.append(TcpSocket(f[3], int(f[1].rsplit(":", 1)[1], 16), int(f[4].split(":")[0], 16)))
+    return out
+
+
 def listening_ports(pgid: int) -> Optional[Set[int]]:
     """The TCP ports on which a process of process group ``pgid`` listens (Linux ``/proc``;
     None elsewhere).
@@ -82,26 +115,12 @@ def listening_ports(pgid: int) -> Optional[Set[int]]:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
         return None
-    inodes: Set[str] = set()
+    group = []
     for pid in pids:
         try:
-            if os.getpgid(pid) != pgid:
-                continue
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        except OSError:  # gone meanwhile, or not ours to read
+            if os.getpgid(pid) == pgid:
+                group.append(pid)
+        except OSError:  # gone meanwhile
             continue
-    ports: Set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as fh:
-                rows = fh.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if len(fields) > 9 and fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+    sockets = tcp_sockets(group)
+    return None if sockets is None else {s.port for s in sockets if s.state == "0A"}

@@ -232,24 +232,9 @@ def _wait_for(out_dir, name, timeout_s=60.0):
 
 def _queued_bytes(pid):
     """Bytes waiting in the send queues of ``pid``'s TCP connections (Linux /proc)."""
-    import os
+    from raylastic.testing.ports import tcp_sockets
 
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    queued = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as fh:
-            for row in fh.read().splitlines()[1:]:
-                f = row.split()
-                if f[9] in inodes and f[3] == "01":  # ESTABLISHED
-                    queued += int(f[4].split(":")[0], 16)
-    return queued
+    return sum(s.queued for s in tcp_sockets([pid]) or [] if s.state == "01")  # established
 
 
 def broadcast_to_a_killed_rank(out_dir, abandon):

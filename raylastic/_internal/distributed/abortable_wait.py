@@ -134,7 +134,6 @@ def sliced_wait(work: Any, timeout: datetime.timedelta, original: Callable[[Any,
                 raise
         epoch, at = _aborted
         if epoch == current[0] and time.monotonic() - at >= ABANDON_AFTER_S:
-            _hold(current)
             logger.warning(
                 "gave up a collective wait %.1f s after epoch %s's abort: gloo does not wake it",
                 time.monotonic() - at,
@@ -162,16 +161,12 @@ def _install() -> None:
 
 def _hold(current: Tuple[int, float]) -> None:
     """Keep every live process group referenced until the aborted epoch's operations have
-    timed out: their destructor joins gloo's threads, one of which may be stuck."""
-    try:
-        groups = list(dist.distributed_c10d._world.pg_map)
-    except Exception:  # noqa: BLE001 - no groups to hold
-        return
+    timed out: their destructor joins gloo's threads, one of which may be stuck. (Until the
+    epoch's groups are left, torch's own registry keeps them alive.)"""
+    groups = list(dist.distributed_c10d._world.pg_map)
     if not groups:
         return
     with _lock:
-        if any(set(map(id, h)) >= set(map(id, groups)) for h in _held):
-            return  # held already (given up, then left)
         _held.append(groups)
 
     def release() -> None:

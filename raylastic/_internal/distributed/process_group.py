@@ -183,8 +183,9 @@ def _record_new_group(group: Any, epoch: int, store: Any, before: set) -> None:
     global _group_conns
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
         return
-    abortable_wait.group_added(dist.get_backend(group))
-    if dist.get_backend(group) != "gloo":
+    backend = dist.get_backend(group)
+    abortable_wait.group_added(backend)
+    if backend != "gloo":
         return
     conns = _gloo_connections(
         store, dist.get_rank(), dist.get_process_group_ranks(group), before, tag=f"{group.group_name}/"
