@@ -126,7 +126,7 @@ def drain(cluster, node, notice_s: float) -> float:
 def lose_node(cluster, log: Callable[[], List[Dict[str, Any]]], marks: Dict[str, Any], timeout_s: float, *,
               after_step: Optional[int] = None, notice_s: Optional[float] = None,
               fit_thread: Optional[threading.Thread] = None, suffix: str = "",
-              what: str = "a step on the smaller group") -> Dict[str, Any]:
+              what: str = "a step on the smaller group", delay_s: float = 0.0) -> Dict[str, Any]:
     """Remove the last worker node and wait for the smaller group's first step.
 
     ``after_step``: first wait until rank 0 logs that step. ``notice_s``: drain the node
@@ -136,7 +136,8 @@ def lose_node(cluster, log: Callable[[], List[Dict[str, Any]]], marks: Dict[str,
     counted is the first at world size 2 after the notice or the removal (a step of the
     old group may still complete between the kill and its detection). ``fit_thread``:
     stop waiting, with a TimeoutError, once ``fit()`` has returned. ``what``: the step
-    waited for, as a timeout names it."""
+    waited for, as a timeout names it. ``delay_s``: after that step, wait this long
+    before the notice or the removal (a loss mid-step rather than at the step's commit)."""
     def ended() -> Any:
         return fit_thread is not None and not fit_thread.is_alive() and [None]
 
@@ -144,6 +145,7 @@ def lose_node(cluster, log: Callable[[], List[Dict[str, Any]]], marks: Dict[str,
         hit = wait(lambda: [r for r in log() if r["step"] >= after_step] or ended(), timeout_s, f"step {after_step}")
         if hit[0] is None:
             raise TimeoutError("fit() returned before the kill step")
+        time.sleep(delay_s)
     victim = cluster.worker_nodes[-1]
     if notice_s is not None:
         marks["t_notice" + suffix] = drain(cluster, victim, notice_s)

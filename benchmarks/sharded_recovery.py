@@ -57,7 +57,7 @@ from _driver import (  # noqa: E402  (this folder's shared benchmark driver)
 
 
 def run_schedule(cluster, fit: Callable[[], Any], log_dir: str, stop_path: str, kill_at: int, between: int,
-                 notice_s: float, timeout_s: float) -> Dict[str, Any]:
+                 notice_s: float, timeout_s: float, kill_delay_s: float = 0.0) -> Dict[str, Any]:
     steps_path = os.path.join(log_dir, "steps.jsonl")
     log = lambda: read_log(steps_path)  # noqa: E731
     t_fit = time.time()
@@ -65,7 +65,7 @@ def run_schedule(cluster, fit: Callable[[], Any], log_dir: str, stop_path: str, 
     marks: Dict[str, Any] = {"t_fit": t_fit}
     try:
         # 1. a node removed without notice
-        small = lose_node(cluster, log, marks, timeout_s, after_step=kill_at,
+        small = lose_node(cluster, log, marks, timeout_s, after_step=kill_at, delay_s=kill_delay_s,
                           what="a step on the smaller group (after the loss)")
         wait(lambda: len([r for r in log() if r["t"] > small["t"]]) >= between, timeout_s, "steps at world 2")
         # 2. a node added back
@@ -339,10 +339,14 @@ def main() -> Optional[int]:
     ap.add_argument("--cpus-per-worker", type=int, default=1,
                     help="CPUs per worker node and worker (its torch threads); default 1")
     ap.add_argument("--timeout-s", type=float, default=240)
+    ap.add_argument("--kill-delay-s", type=float, default=0.0,
+                    help="remove the node this long after step --kill-at is logged (default 0: at its commit, "
+                         "while the snapshot's peer copy runs)")
     ap.add_argument("--events-dir", help="copy each raylastic run's event log here (<system>_<framework>_<repeat>.jsonl)")
-    ap.add_argument("--lean", action="store_true",
+    ap.add_argument("--lean", nargs="?", const=True, default=False, choices=[True, "in_place"],
                     help="raylastic with ElasticState(lean_snapshots=True): one snapshot kept, 2x the own shard "
-                         "(3x during a commit's peer copy, which the next optimizer step waits for)")
+                         "(3x during a commit's peer copy, which the next optimizer step waits for); "
+                         "'--lean in_place': 2x throughout (a loss during a peer copy restores from storage)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "sharded_recovery.json"))
     ap.add_argument("--table", metavar="JSON", help="print the README table of a results file and exit")
     args = ap.parse_args()
@@ -376,7 +380,8 @@ def main() -> Optional[int]:
         "model": dict(model, params=nparams, state_mb_total=round(3 * 4 * nparams / 2**20, 1),
                       state_mb_per_rank_at_3=round(4 * nparams / 2**20, 1),
                       note="fp32 params + 2 Adam moments; MLP d_in -> hidden x layers -> 1"),
-        "schedule": {"workers": "min 2, max 3", "kill_at_step": kill_at, "steps_between_events": between,
+        "schedule": {"workers": "min 2, max 3", "kill_at_step": kill_at, "kill_delay_s": args.kill_delay_s,
+                     "steps_between_events": between,
                      "notice_s": args.notice_s, "ray_train_checkpoint_every": args.checkpoint_every,
                      "raylastic_persist_every": args.checkpoint_every, "raylastic_snapshot_every": 1,
                      "raylastic_lean_snapshots": args.lean,
@@ -410,7 +415,7 @@ def main() -> Optional[int]:
                                    args.cpus_per_worker)
                     print(f"== {key} (repeat {rep})", flush=True)
                     res = timed(run_schedule, cluster, fit, log_dir, cfg["stop_path"], kill_at, between,
-                                args.notice_s, args.timeout_s)
+                                args.notice_s, args.timeout_s, args.kill_delay_s)
                     results["runs"].setdefault(key, []).append(res)
                     events = os.path.join(tmp, "storage", name, "events.jsonl")
                     if args.events_dir and os.path.exists(events):

@@ -37,12 +37,13 @@ other than through the optimizer (or pass ``async_snapshot=False``). Memory: two
 snapshots per worker (2/W of the state each when striped), more while one is persisted
 (``docs/recovery.md``); sharded: up to 4x the rank's own shard, or with
 ``lean_snapshots=True`` one snapshot, 2x (3x during a commit's peer copy, which the next
-``optimizer.step()`` then waits for; ``docs/sharded.md``). How: ``raylastic/_internal/snapshots/``.
+``optimizer.step()`` then waits for), or with ``"in_place"`` 2x throughout, a loss during
+the peer copy restoring from storage (``docs/sharded.md``). How: ``raylastic/_internal/snapshots/``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
 
@@ -74,7 +75,7 @@ class ElasticState:
         striped: bool = True,
         engine: Any = None,
         stateful: Optional[Mapping[str, Any]] = None,
-        lean_snapshots: bool = False,
+        lean_snapshots: Union[bool, str] = False,
         **attrs: Any,
     ):
         check_state_args(

@@ -153,7 +153,7 @@ def fsdp2_bench(config: Dict[str, Any]) -> None:
 
         state = raylastic.ElasticState(model=model, optimizer=opt, step=0,
                                        snapshot_every=int(config.get("snapshot_every", 1)),
-                                       lean_snapshots=bool(config.get("lean_snapshots")))
+                                       lean_snapshots=config.get("lean_snapshots") or False)
         start = state.step
         loop.resumed(state.restored_from, start, load_s=time.perf_counter() - t_load)
     else:
@@ -250,7 +250,7 @@ def deepspeed_bench(config: Dict[str, Any]) -> None:
         import raylastic
 
         state = raylastic.ElasticState(engine=engine, step=0, snapshot_every=int(config.get("snapshot_every", 1)),
-                                       lean_snapshots=bool(config.get("lean_snapshots")))
+                                       lean_snapshots=config.get("lean_snapshots") or False)
         start = state.step
         loop.resumed(state.restored_from, start, load_s=time.perf_counter() - t_load)
     else:

@@ -56,6 +56,11 @@ _MAPPINGS = (dict, OrderedDict, Counter)
 _PLAIN = "plain Python values (None, bool, int, float, str, bytes), tensors, or lists, tuples, dicts and sets of them"
 
 
+# ``ElasticState(lean_snapshots=IN_PLACE)``: the peer copy lands in the buffers it replaces
+# (``snapshots/sharded/lean.py``).
+IN_PLACE = "in_place"
+
+
 def check_state_args(
     *, persist_every: Any, snapshot_every: Any, async_snapshot: Any, striped: Any, lean_snapshots: Any = False
 ) -> None:
@@ -73,9 +78,17 @@ def check_state_args(
             "an int >= 1 or None (CheckpointConfig.persist_every)",
             "pass N to write every N-th snapshot to storage, or leave it out",
         )
-    for name, value in (("async_snapshot", async_snapshot), ("striped", striped), ("lean_snapshots", lean_snapshots)):
+    for name, value in (("async_snapshot", async_snapshot), ("striped", striped)):
         if not isinstance(value, bool):
             raise bad(name, value, "True or False", f"pass {name}=True or {name}=False")
+    if not isinstance(lean_snapshots, bool) and lean_snapshots != IN_PLACE:
+        raise bad(
+            "lean_snapshots",
+            lean_snapshots,
+            f"True, False or {IN_PLACE!r}",
+            f"pass lean_snapshots=True (3x the own shard at a commit's peak), {IN_PLACE!r} (2x; a loss "
+            "during a commit's peer copy restores from storage) or False (docs/sharded.md)",
+        )
 
 
 def storable_attr(name: str, value: Any) -> Any:

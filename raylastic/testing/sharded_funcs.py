@@ -112,7 +112,7 @@ def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
         loader=loader,
         step=0,
         persist_every=config.get("persist_every"),
-        lean_snapshots=bool(config.get("lean_snapshots")),
+        lean_snapshots=config.get("lean_snapshots") or False,
     )
     log = _log(config, ctx)
     epochs = int(config.get("epochs", 4))
@@ -182,7 +182,7 @@ def deepspeed_mlp(config: Dict[str, Any]) -> Dict[str, Any]:
         loader=loader,
         step=0,
         persist_every=config.get("persist_every"),
-        lean_snapshots=bool(config.get("lean_snapshots")),
+        lean_snapshots=config.get("lean_snapshots") or False,
     )
     log = _log(config, ctx)
     epochs = int(config.get("epochs", 4))

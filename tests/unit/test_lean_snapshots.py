@@ -51,7 +51,7 @@ class _Exchange:
         self.jobs.clear()
 
 
-def _lean(store):
+def _lean(store, lean=True):
     live = torch.zeros(6)
     mine, peer = (Chunk("w", (12,), (o,), (6,), str(live.dtype)) for o in (0, 6))
     param = torch.nn.Parameter(torch.zeros(1))
@@ -67,7 +67,7 @@ def _lean(store):
 
     spec = SimpleNamespace(rank=0, world_size=2, stripe=(), timeout_s=30.0)
     sess = SimpleNamespace(spec=spec, run_rel="r", aborted=False)
-    st = ShardedState(Adapter(), sess, overlap=True, lean=True, store=store)
+    st = ShardedState(Adapter(), sess, overlap=True, lean=lean, store=store)
     st._exchange, st._layout, st._local_fp = _Exchange(), {0: [mine], 1: [peer]}, layout_fingerprint([mine])
     return st, live, sess, Adapter.optimizer, param
 
@@ -116,6 +116,56 @@ def test_lean_holds_2x_between_commits_3x_on_the_wire_and_keeps_the_state_of_the
         assert st._exchange.sent[-1][0].tolist() == [float(index)] * 6
         assert snap.holding == (2, (0, 1))
     assert on_the_wire == [1, 3, 3, 3] and after == [2, 2, 2, 2]  # the default: [2, 4, 4, 4] both
+
+
+def test_in_place_holds_2x_at_every_instant_and_reuses_the_buffers():
+    """``lean_snapshots="in_place"``: the peer copy lands in the buffers of the shard the
+    older snapshot backed up, which says it no longer holds it (a loss now restores from
+    storage); the own shard moves into the older snapshot's own buffers after the vote."""
+    store = SnapshotStore(keep=2)
+    st, live, _sess, opt, param = _lean(store, lean="in_place")
+    own = st.shard_bytes()
+    on_the_wire, after, bufs = [], [], set()
+    for index in range(1, 5):
+        live.fill_(float(index))
+        snap = _commit(st, store, index)
+        on_the_wire.append(store.nbytes() / own)
+        if index > 1:  # the older snapshot holds its own shard only, still that of its commit
+            older = store.get("r", index - 1)
+            assert store.holdings("r") == ([index - 1], {index - 1: (2, (0,))})
+            assert older.tensors["sharded"][1][0].is_meta and older.tensors["sharded"][0][0].tolist() == [index - 1] * 6
+        st._exchange.run()
+        after.append(store.nbytes() / own)
+        param.grad = torch.zeros(1)
+        opt.step()
+        live.fill_(99.0)
+        assert store.holdings("r") == ([index], {index: (2, (0, 1))})
+        assert snap.tensors["sharded"][0][0].tolist() == [float(index)] * 6
+        assert snap.tensors["sharded"][1][0].tolist() == [float(-index)] * 6
+        bufs.add((snap.tensors["sharded"][0][0].data_ptr(), snap.tensors["sharded"][1][0].data_ptr()))
+    assert on_the_wire == [1, 2, 2, 2] and after == [2, 2, 2, 2]  # lean=True: [1, 3, 3, 3], [2, 2, 2, 2]
+    assert len(bufs) == 1  # every commit lands in the same two buffers
+
+
+def test_in_place_a_failed_vote_keeps_the_newer_snapshot_as_far_as_it_goes_in_2x():
+    """The older snapshot gave its peer shard up at the commit: it goes, and the newer one
+    keeps its own shard (in the older one's buffers) and the peer shard that landed."""
+    store = SnapshotStore(keep=2)
+    st, live, _sess, opt, param = _lean(store, lean="in_place")
+    live.fill_(1.0)
+    one = _commit(st, store, 1)
+    st._exchange.run()
+    param.grad = torch.ones(1)
+    opt.step()
+    own_buf = one.tensors["sharded"][0][0].data_ptr()
+    live.fill_(2.0)
+    two = _commit(st, store, 2)
+    st._exchange.votes = [False]
+    st._exchange.run()
+    st.wait()
+    assert store.holdings("r") == ([2], {2: (2, (0, 1))})
+    assert two.tensors["sharded"][0][0].tolist() == [2.0] * 6 and two.tensors["sharded"][0][0].data_ptr() == own_buf
+    assert store.nbytes() == 2 * st.shard_bytes()
 
 
 def test_a_failed_vote_keeps_the_older_snapshot_and_the_newer_one_as_far_as_it_goes():
@@ -210,7 +260,7 @@ def test_lean_snapshots_refuse_a_replicated_model_and_a_non_bool(monkeypatch):
     from raylastic import ElasticState
     from raylastic.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="lean_snapshots"):
+    with pytest.raises(ConfigError, match="lean_snapshots='yes'.*True, False or 'in_place'"):
         ElasticState(model=torch.nn.Linear(2, 2), lean_snapshots="yes")
 
 

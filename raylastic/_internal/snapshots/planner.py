@@ -61,7 +61,8 @@ def why_storage(members: Sequence[Any], latest: Optional[Any]) -> Optional[Tuple
     if newest is not None and (latest is None or newest > latest.index):
         return (
             f"the surviving workers' shards of snapshot {newest} do not cover the state "
-            "(a node and the node holding the second copy of its shard were both lost)"
+            "(a node and the node holding the second copy of its shard were both lost, or, with "
+            "lean_snapshots='in_place', a node was lost while the new copy of its shard was arriving)"
         ), newest
     if newest is None:
         return "the surviving workers share no in-memory snapshot", None

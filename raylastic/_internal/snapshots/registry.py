@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import random
-from typing import Any, Callable, Dict, Mapping, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Protocol, Tuple, Union
 
 import torch
 
@@ -203,7 +203,7 @@ def tensor_half(
     engine: Any,
     async_snapshot: bool,
     striped: bool,
-    lean: bool = False,
+    lean: Union[bool, str] = False,
 ) -> Half:
     """The sharded half (FSDP2 or DeepSpeed), or the replicated one over the registry's
     model and optimizer. Overlapping the copy with the next step needs a point where it
@@ -222,7 +222,7 @@ def tensor_half(
 
             if lean:
                 raise ConfigError(
-                    "ElasticState(lean_snapshots=True) is for sharded models (FSDP2 fully_shard, "
+                    f"ElasticState(lean_snapshots={lean!r}) is for sharded models (FSDP2 fully_shard, "
                     "DeepSpeed ZeRO through engine=); this model is replicated (DDP), whose "
                     "snapshots hold 2/W of the state each with striped=True. Fix: leave "
                     "lean_snapshots out, or shard the model"

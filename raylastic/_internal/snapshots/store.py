@@ -109,6 +109,38 @@ class SnapshotStore:
                 return True, s
         return True, None
 
+    def lend_peer_shards(self, run: str, root: str, rank: int) -> Dict[int, List[torch.Tensor]]:
+        """``lean_snapshots="in_place"``: take the shards rank ``rank`` backs up (every
+        shard but its own) out of the snapshots held, newest first, and return them by
+        shard for the next peer copy to land in. The snapshots keep meta placeholders and
+        say they no longer hold those shards, so a restore planned meanwhile does not count
+        on them; the older copies of a shard are dropped (freed once received into anew)."""
+        lent: Dict[int, List[torch.Tensor]] = {}
+        with self._lock:
+            if self.run != run:
+                return lent
+            for snap in reversed(self._snaps):
+                tree = snap.tensors.get(root) or {}
+                peers = {s for s, ts in tree.items() if s != rank and any(not t.is_meta for t in ts)}
+                if not peers:
+                    continue
+                for s in peers:
+                    lent.setdefault(s, tree[s])
+                snap.tensors = {
+                    **snap.tensors,
+                    root: {
+                        s: [torch.empty_like(t, device="meta") for t in ts] if s in peers else ts
+                        for s, ts in tree.items()
+                    },
+                }
+                held = range(len(tree)) if is_whole(snap.holding) else snap.holding[1]
+                snap.holding = (
+                    len(tree) if is_whole(snap.holding) else snap.holding[0],
+                    tuple(s for s in held if s not in peers),
+                )
+                snap.nbytes = nbytes(snap.tensors)
+        return lent
+
     def holdings(self, run: str) -> Tuple[List[int], Dict[int, Tuple[int, Tuple[int, ...]]]]:
         """The complete snapshots' indices, and those that hold only some shards (index ->
         (nshards, shards)), in one view: a commit may end between two separate looks."""

@@ -1,5 +1,6 @@
 """Lean sharded snapshots (``ElasticState(lean_snapshots=True)``): one snapshot kept, 2x
-the rank's own shard between commits and 3x during a commit's peer copy, instead of 4x.
+the rank's own shard between commits and 3x during a commit's peer copy, instead of 4x
+(``"in_place"``: 2x throughout, see the end).
 
 Why the default holds 4x: a commit copies the own shard of step k+1 into host buffers of
 its own while the next step runs, and the shards of step k stay whole until every peer
@@ -27,6 +28,15 @@ may still read it): it copies the own shard out and unwinds the train function
 (``StopTraining``), as ``report()`` does. A stopping worker's ``wait_pending`` settles
 the snapshot the same way (``Snapshot.settle``), so it never waits for a peer copy to a
 vanished peer.
+
+``lean_snapshots="in_place"``: 2x at every instant. At the commit the held snapshots
+give up the shards this rank backs up (``SnapshotStore.lend_peer_shards``), and the
+peer copy lands in those buffers; after the vote, or a settle, the own shard moves into
+the older snapshot's own buffers and it goes. The price: from the commit until the vote,
+no snapshot in memory holds a backup that a loss in that window needs whole (the older
+ones gave theirs up, the newer one is still arriving), so such a loss restores from
+storage (the controller sees the holdings and plans it). A loss after a sender's peer
+copies landed still restores the newer snapshot from memory.
 """
 
 from __future__ import annotations
@@ -71,6 +81,7 @@ class LeanCommit:
         aborted: Callable[[], bool],
         stop: Callable[[], BaseException],
         root: str,
+        in_place: bool = False,
     ):
         self.snap = snap
         self.rank = rank
@@ -83,6 +94,7 @@ class LeanCommit:
         self._aborted = aborted
         self._stop = stop
         self._root = root
+        self._in_place = in_place  # ``incoming`` are the older snapshots' buffers (see the module)
         self._lock = threading.Lock()
         self.over = False  # finished (the vote passed) or settled: the snapshot is complete
         self._received = False  # every receive of the peer copy ended well
@@ -150,8 +162,14 @@ class LeanCommit:
 
     def _settle(self) -> None:
         """Keep this snapshot as far as it goes: the own shard in new host memory, the
-        shards received whole. The older snapshots stay."""
-        own = [copy_into(None, t) for t in self.sources]
+        shards received whole. The older snapshots stay; in place, they go (they gave
+        their peer shards up at the start, so no restore can use them), and the own
+        shard moves into the newest one's buffers."""
+        bufs: List[torch.Tensor] = []
+        if self._in_place:
+            _present, old = self._take_older()
+            bufs = (old.tensors.get(self._root, {}).get(self.rank) if old is not None else None) or []
+        own = [copy_into(bufs[j] if j < len(bufs) else None, t) for j, t in enumerate(self.sources)]
         tensors: Dict[int, List[torch.Tensor]] = {self.rank: own}
         if self._received:
             tensors.update(self.incoming)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from raylastic._internal.snapshots.sharded.layout import ROOT, Chunk, dtype_of, 
 from raylastic._internal.snapshots.sharded.reshard import fill_from_files, reshard_from_memory
 from raylastic._internal.snapshots.store import STORE
 from raylastic._internal.snapshots.transport import PeerExchange, Transport
+from raylastic._internal.state_values import IN_PLACE
 from raylastic.session import StopTraining
 
 logger = logging.getLogger("raylastic")
@@ -48,7 +49,7 @@ class ShardedState(CopyWaiter):
 
     snapshot_on_stop = False  # every rank must take the same snapshots: their peer copies pair up
 
-    def __init__(self, adapter: Any, sess: Any, *, overlap: bool, lean: bool = False, store: Any = STORE):
+    def __init__(self, adapter: Any, sess: Any, *, overlap: bool, lean: Union[bool, str] = False, store: Any = STORE):
         super().__init__()  # the copy of the own shard the next optimizer step waits for
         spec = sess.spec
         rank, world, stripe = spec.rank, spec.world_size, tuple(spec.stripe)
@@ -57,7 +58,8 @@ class ShardedState(CopyWaiter):
         self._store = store
         self.rank, self.world = rank, world
         self.overlap = overlap
-        self.lean = lean  # one snapshot kept: ``lean.py``
+        self.lean = bool(lean)  # one snapshot kept: ``lean.py``
+        self.in_place = lean == IN_PLACE  # the peer copy lands in the buffers it replaces
         self._side: Optional[Transport] = None
         self._exchange: Optional[PeerExchange] = None
         self._layout: Optional[Dict[int, List[Chunk]]] = None
@@ -213,6 +215,8 @@ class ShardedState(CopyWaiter):
         snap.tensors = {ROOT: {s: [meta(c) for c in layout[s]] for s in range(len(layout))}}
         snap.plain[ROOT] = self._plain(layout)
         snap.holding = (len(layout), ())
+        if self.in_place:  # the older snapshots give up the shards this rank backs up
+            old_tree = self._store.lend_peer_shards(self._sess.run_rel, ROOT, self.rank)
         incoming = self._recv_buffers(layout, old_tree)
         snap.pins += 1  # released when the commit is over
         snap.incoming_nbytes = nbytes(incoming)
@@ -231,6 +235,7 @@ class ShardedState(CopyWaiter):
             exchange=self._exchange,
             merge=self._lean_merge,
             take_older=lambda: self._store.take_older(sess.run_rel, snap),
+            in_place=self.in_place,
             aborted=lambda: sess.aborted,
             stop=lambda: StopTraining("membership change"),
             root=ROOT,
