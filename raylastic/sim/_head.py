@@ -23,7 +23,7 @@ from raylastic.policies.node_types import RESOURCE_PREFIX
 from raylastic.sim import provider as _prov
 from raylastic.sim._scheduler import environ, free_port, wait_for
 from raylastic.sim.config import NODE_OBJECT_STORE_BYTES, SimNodeType, autoscaler_config
-from raylastic.testing.cluster import FAST_FAILURE_DETECTION
+from raylastic.testing.cluster import FAST_FAILURE_DETECTION, QUIET_DAEMON_ENV, QUIET_DAEMONS
 
 logger = logging.getLogger("raylastic.sim.cloud")  # SpotCloud's warnings keep their logger
 
@@ -59,9 +59,9 @@ def start_head(node_types: Sequence[SimNodeType], *, idle_timeout_s: float, stat
                 "gcs_server_port": port,
                 "include_dashboard": False,
                 "autoscaling_config": str(config_path),
-                "_system_config": dict(FAST_FAILURE_DETECTION),
+                "_system_config": {**FAST_FAILURE_DETECTION, **QUIET_DAEMONS},
                 "object_store_memory": NODE_OBJECT_STORE_BYTES,
-                "env_vars": {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": _prov.HEAD_NODE_ID},
+                "env_vars": {**QUIET_DAEMON_ENV, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": _prov.HEAD_NODE_ID},
             },
         )
 

@@ -213,6 +213,7 @@ class SpotSimProvider(FakeMultiNodeProvider):
             redis_address=gcs,
             gcs_address=gcs,
             env_vars={
+                "REPORTER_UPDATE_INTERVAL_MS": "60000",  # testing.cluster.QUIET_DAEMON_ENV (why)
                 "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id,
                 "RAY_CLOUD_INSTANCE_ID": node_id,
                 "RAY_NODE_TYPE_NAME": node_type,

@@ -24,6 +24,16 @@ FAST_FAILURE_DETECTION: Dict[str, Any] = {
     "health_check_initial_delay_ms": 0,
 }
 
+# Ray's periodic work that nothing here reads, turned down: an idle head + 3 nodes took
+# 7.4 and 8.5 CPU-s per 30 s in Ray's processes, 6.1 and 6.4 with these (2026-12-07), CPU
+# the tests and benchmarks on a 2-core machine then have. Each node's dashboard agent samples every
+# process with psutil every 5 s for the dashboard's metrics (not started here), the
+# raylets export metrics, and the memory monitor reads /proc 4 times a second to kill
+# workers when the machine runs out of memory (a test machine's OOM then fails the test
+# itself, not a worker Ray picked).
+QUIET_DAEMONS: Dict[str, Any] = {"memory_monitor_refresh_ms": 0, "enable_metrics_collection": False}
+QUIET_DAEMON_ENV: Dict[str, str] = {"REPORTER_UPDATE_INTERVAL_MS": "60000"}
+
 
 class LocalCluster:
     """``with LocalCluster(num_nodes=3) as c:`` gives a head (no CPUs) + 3 worker nodes.
@@ -45,7 +55,7 @@ class LocalCluster:
         self._cpus = cpus_per_node
         self._resources = dict(node_resources or {})
         self._head_cpus = head_cpus
-        self._system_config = dict(FAST_FAILURE_DETECTION) if fast_failure_detection else {}
+        self._system_config = {**(FAST_FAILURE_DETECTION if fast_failure_detection else {}), **QUIET_DAEMONS}
         self._osm = object_store_memory
         self.cluster: Optional[Cluster] = None
         self.worker_nodes: List[Any] = []
@@ -59,6 +69,7 @@ class LocalCluster:
                     "_system_config": self._system_config,
                     "object_store_memory": self._osm,
                     "include_dashboard": False,
+                    "env_vars": dict(QUIET_DAEMON_ENV),
                 },
             )
             for _ in range(self._num_nodes):
@@ -80,6 +91,7 @@ class LocalCluster:
             "object_store_memory": self._osm,
         }
         args.update(kwargs)
+        args["env_vars"] = {**QUIET_DAEMON_ENV, **(args.get("env_vars") or {})}
         with _caller_keeps_sigterm():
             node = self.cluster.add_node(**args)
         self.worker_nodes.append(node)
