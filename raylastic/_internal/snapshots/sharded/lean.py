@@ -118,14 +118,10 @@ class LeanCommit:
                 with self._lock:
                     self._received = received  # a settle() from now on keeps what landed
                 if error is not None:
-                    logger.warning(
-                        "snapshot %s: peer copy failed (%s); the snapshot before it is kept", self.snap.index, error
-                    )
+                    logger.warning("snapshot %s: peer copy failed (%s); %s", self.snap.index, error, self._kept())
                 agreed = self._exchange.all_true(sent and received)  # every rank votes, always
         except Exception as e:  # noqa: BLE001 - the vote failed: a peer is gone
-            logger.warning(
-                "snapshot %s: peers did not all answer (%s); the snapshot before it is kept", self.snap.index, e
-            )
+            logger.warning("snapshot %s: peers did not all answer (%s); %s", self.snap.index, e, self._kept())
         try:
             with self._lock:
                 if not self.over:
@@ -143,6 +139,11 @@ class LeanCommit:
             self.sources, self.incoming = [], {}  # the old attempt's live tensors are not kept
             self.snap.done.set()
             self.released.set()
+
+    def _kept(self) -> str:
+        if self._in_place:
+            return "it is kept as far as it goes; the one before it gave up its backups (in place)"
+        return "the snapshot before it is kept"
 
     def _finish(self) -> bool:
         """Every peer copy of this snapshot landed: the older snapshots go, and the own
