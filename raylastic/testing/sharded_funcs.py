@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import raylastic
+from raylastic.testing.pace import step_sleep
 
 
 def _dataset(config: Dict[str, Any]) -> torch.utils.data.TensorDataset:
@@ -72,11 +73,12 @@ def _write_row(log, ctx, batch) -> None:
 
 def _pace(config: Dict[str, Any], ctx) -> None:
     """``step_sleep_s`` per step; ``slow_below_world``: sleep ``slow_sleep_s`` instead while
-    the group is smaller than that (a test's scale-up then lands before the run ends)."""
+    the group is smaller than that (a test's scale-up then lands before the run ends); a
+    regrown group does not sleep (``pace.py``)."""
     sleep = float(config.get("step_sleep_s") or 0)
     if config.get("slow_below_world") and ctx.get_world_size() < int(config["slow_below_world"]):
         sleep = float(config.get("slow_sleep_s", 0.5))
-    if sleep:
+    if step_sleep(config, ctx.get_world_size(), sleep):
         time.sleep(sleep)
 
 

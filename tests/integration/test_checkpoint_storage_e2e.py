@@ -261,7 +261,9 @@ def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
     # and stops itself (SIGSTOP) with its upload just started: the test no longer races an
     # upload against its own polling. Racing it, a clean clone on a busy machine caught no
     # upload in flight before the run's 100 steps ended (2026-11-28, 6371072).
+    # The group after the kill only has to finish: it steps without sleeping.
     cfg = {"total_steps": total, "checkpoint_every": every, "step_sleep_s": 0.2, "log_dir": log_dir,
+           "sleep_first_group_only": True,
            "shard_bytes": {1: 24 * MB},  # rank 1's upload takes a while; rank 0's is small
            "freeze": {"rank": 1, "from_step": 2 * every, "dir": str(gate_dir)}}
     trainer = _trainer(cfg, _run_config(run, uri, failure_config=FailureConfig(max_failures=0),

@@ -41,7 +41,8 @@ def _actor_count():
 
 
 def test_node_loss_shrinks_then_grows_back_and_resumes(local_cluster, restore_nodes, run_dir):
-    cfg = {"total_steps": 150, "checkpoint_every": 5, "step_sleep_s": 0.05}
+    regrown = os.path.join(run_dir, "loss-regrown")  # the group of 3 after it does not sleep (pace.py)
+    cfg = {"total_steps": 150, "checkpoint_every": 5, "step_sleep_s": 0.05, "regrown_flag": regrown}
     trainer = _trainer(run_dir, "loss", cfg, checkpoint_config=CheckpointConfig(num_to_keep=3))
     th = FitThread(trainer)
     th.start()
@@ -49,6 +50,7 @@ def test_node_loss_shrinks_then_grows_back_and_resumes(local_cluster, restore_no
     killed = kill_node_at(local_cluster, w, 12)
     w.wait_for_event(EventKind.FIRST_STEP, 90, count=2)
     local_cluster.add_node()
+    open(regrown, "w").close()
     result = th.wait(240)
 
     assert result.error is None

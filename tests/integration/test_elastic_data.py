@@ -46,7 +46,8 @@ def test_exactly_once_and_same_weights_as_a_fixed_size_run(local_cluster, restor
     assert ref.world_sizes == [2]
 
     # Elastic: 3 workers, lose a node, get it back.
-    cfg = dict(_cfg(tmp_path, "elastic"), step_sleep_s=0.2)
+    regrown = tmp_path / "regrown"  # the group of 3 after it does not sleep (raylastic/testing/pace.py)
+    cfg = dict(_cfg(tmp_path, "elastic"), step_sleep_s=0.2, regrown_flag=str(regrown))
     th = FitThread(ElasticTrainer(elastic_mlp, train_loop_config=cfg,
                                   scaling_config=ScalingConfig(min_workers=2, max_workers=3),
                                   run_config=RunConfig(name="elastic", storage_path=run_dir, verbose=False)))
@@ -55,6 +56,7 @@ def test_exactly_once_and_same_weights_as_a_fixed_size_run(local_cluster, restor
     kill_node_at(local_cluster, w, 10)
     w.wait_for_event(EventKind.FIRST_STEP, 120, count=2)
     local_cluster.add_node()
+    regrown.touch()
     result = th.wait(300)
     assert result.world_sizes == [3, 2, 3]
 

@@ -75,7 +75,9 @@ def _elastic(train_func, cfg, run_dir, name, datasets, **kw):
         run_config=ray.train.RunConfig(name=name, storage_path=run_dir), datasets=datasets, **kw)
 
 
-def _lose_and_regain(cluster, trainer, run_path, kill_at):
+def _lose_and_regain(cluster, trainer, run_path, kill_at, regrown=None):
+    """``regrown``: a flag file to touch once the node is added back (the train function's
+    group of 3 then stops sleeping: raylastic/testing/pace.py)."""
     th = FitThread(trainer)
     th.start()
     w = RunWatcher(run_path)
@@ -93,6 +95,8 @@ def _lose_and_regain(cluster, trainer, run_path, kill_at):
     kill_node_at(cluster, w, kill_at)
     w.wait_for_event(EventKind.FIRST_STEP, 120, count=2)
     cluster.add_node()
+    if regrown is not None:
+        regrown.touch()
     result = th.wait(240)
     assert _reserved(requester) == {}
     return result
@@ -198,10 +202,11 @@ def test_every_id_of_every_epoch_is_trained_exactly_once_through_3_2_3(three_nod
         checkpoint = "report"  # ray.train.report(checkpoint=...) every step, no ElasticState
     log_dir = tmp_path / "log"
     log_dir.mkdir()
+    regrown = tmp_path / "regrown"
     cfg = {"checkpoint": checkpoint, "epochs": EPOCHS, "batch_size": B, "log_dir": str(log_dir),
-           "step_sleep_s": 0.1}
+           "step_sleep_s": 0.1, "regrown_flag": str(regrown)}
     trainer = _elastic(ids_ddp, cfg, run_dir, kind, {"train": ds})
-    result = _lose_and_regain(three_nodes, trainer, os.path.join(run_dir, kind), 10)
+    result = _lose_and_regain(three_nodes, trainer, os.path.join(run_dir, kind), 10, regrown)
     assert result.error is None
     assert result.world_sizes == [3, 2, 3], result.world_sizes
     _assert_exactly_once(str(log_dir), n)
