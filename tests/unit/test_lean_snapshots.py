@@ -147,9 +147,11 @@ def test_in_place_holds_2x_at_every_instant_and_reuses_the_buffers():
     assert len(bufs) == 1  # every commit lands in the same two buffers
 
 
-def test_in_place_a_failed_vote_keeps_the_newer_snapshot_as_far_as_it_goes_in_2x():
-    """The older snapshot gave its peer shard up at the commit: it goes, and the newer one
-    keeps its own shard (in the older one's buffers) and the peer shard that landed."""
+def test_in_place_a_failed_vote_keeps_both_snapshots_as_far_as_they_go():
+    """The older snapshot gave its peer shard up at the commit but keeps its own shard (a
+    peer that unwound before committing the newer one holds only the older: every rank's
+    own shard of it restores it); the newer one keeps its own shard, in new memory, and
+    the peer shard that landed. One more shard until the restore."""
     store = SnapshotStore(keep=2)
     st, live, _sess, opt, param = _lean(store, lean="in_place")
     live.fill_(1.0)
@@ -157,15 +159,30 @@ def test_in_place_a_failed_vote_keeps_the_newer_snapshot_as_far_as_it_goes_in_2x
     st._exchange.run()
     param.grad = torch.ones(1)
     opt.step()
-    own_buf = one.tensors["sharded"][0][0].data_ptr()
     live.fill_(2.0)
     two = _commit(st, store, 2)
     st._exchange.votes = [False]
     st._exchange.run()
     st.wait()
-    assert store.holdings("r") == ([2], {2: (2, (0, 1))})
-    assert two.tensors["sharded"][0][0].tolist() == [2.0] * 6 and two.tensors["sharded"][0][0].data_ptr() == own_buf
-    assert store.nbytes() == 2 * st.shard_bytes()
+    assert store.holdings("r") == ([1, 2], {1: (2, (0,)), 2: (2, (0, 1))})
+    assert one.tensors["sharded"][0][0].tolist() == [1.0] * 6 and two.tensors["sharded"][0][0].tolist() == [2.0] * 6
+    assert two.tensors["sharded"][1][0].tolist() == [-2.0] * 6
+    assert store.nbytes() == 3 * st.shard_bytes()
+
+
+def test_in_place_no_commit_after_an_abort_gives_the_older_snapshot_up():
+    """An aborted attempt's next commit would pair with no peer: it unwinds before the
+    older snapshot lends anything, which stays whole."""
+    store = SnapshotStore(keep=2)
+    st, live, sess, opt, param = _lean(store, lean="in_place")
+    live.fill_(1.0)
+    one = _commit(st, store, 1)
+    st._exchange.run()
+    sess.aborted = True
+    with pytest.raises(StopTraining):
+        _commit(st, store, 2)
+    assert store.holdings("r") == ([1], {1: (2, (0, 1))})
+    assert one.holding == (2, (0, 1)) and one.tensors["sharded"][1][0].tolist() == [-1.0] * 6
 
 
 def test_a_failed_vote_keeps_the_older_snapshot_and_the_newer_one_as_far_as_it_goes():

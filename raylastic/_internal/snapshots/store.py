@@ -200,13 +200,15 @@ class SnapshotStore:
             snaps = list(self._snaps)
         deadline = time.monotonic() + timeout_s
         for snap in snaps:
-            if own_only and snap.settle is not None:
-                snap.settle()  # a lean commit: its own shard out of the live state now
+            settle = snap.settle  # (the exchange thread clears it when the commit ends)
+            if own_only and settle is not None:
+                settle()  # a lean commit: its own shard out of the live state now
             while not (snap.done.is_set() or (own_only and snap.complete.is_set())):
                 if time.monotonic() >= deadline or snap.done.wait(0.005):
                     break
-            if not snap.done.is_set() and snap.settle is not None:
-                snap.settle()  # given up on: the next attempt must not meet its late vote
+            settle = snap.settle
+            if not snap.done.is_set() and settle is not None:
+                settle()  # given up on: the next attempt must not meet its late vote
 
     def clear(self) -> None:
         """Forget every snapshot: the run ended, and this process may serve another

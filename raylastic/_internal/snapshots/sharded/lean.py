@@ -32,7 +32,8 @@ vanished peer.
 ``lean_snapshots="in_place"``: 2x at every instant. At the commit the held snapshots
 give up the shards this rank backs up (``SnapshotStore.lend_peer_shards``), and the
 peer copy lands in those buffers; after the vote, or a settle, the own shard moves into
-the older snapshot's own buffers and it goes. The price: from the commit until the vote,
+the older snapshot's own buffers and it goes (a settle keeps it: one more shard until the
+restore, see ``_settle``). The price: from the commit until the vote,
 no snapshot in memory holds a backup that a loss in that window needs whole (the older
 ones gave theirs up, the newer one is still arriving), so such a loss restores from
 storage (the controller sees the holdings and plans it). A loss after a sender's peer
@@ -163,14 +164,10 @@ class LeanCommit:
 
     def _settle(self) -> None:
         """Keep this snapshot as far as it goes: the own shard in new host memory, the
-        shards received whole. The older snapshots stay; in place, they go (they gave
-        their peer shards up at the start, so no restore can use them), and the own
-        shard moves into the newest one's buffers."""
-        bufs: List[torch.Tensor] = []
-        if self._in_place:
-            _present, old = self._take_older()
-            bufs = (old.tensors.get(self._root, {}).get(self.rank) if old is not None else None) or []
-        own = [copy_into(bufs[j] if j < len(bufs) else None, t) for j, t in enumerate(self.sources)]
+        shards received whole. The older snapshots stay, in place too (one more shard
+        until the restore): a rank whose peer unwound before committing this snapshot
+        holds only the older one, which every rank's own shard of it then restores."""
+        own = [copy_into(None, t) for t in self.sources]
         tensors: Dict[int, List[torch.Tensor]] = {self.rank: own}
         if self._received:
             tensors.update(self.incoming)

@@ -216,6 +216,8 @@ class ShardedState(CopyWaiter):
         snap.plain[ROOT] = self._plain(layout)
         snap.holding = (len(layout), ())
         if self.in_place:  # the older snapshots give up the shards this rank backs up
+            if self._sess.aborted:  # not for a commit no peer will pair with: keep them whole
+                raise StopTraining("membership change")
             old_tree = self._store.lend_peer_shards(self._sess.run_rel, ROOT, self.rank)
         incoming = self._recv_buffers(layout, old_tree)
         snap.pins += 1  # released when the commit is over
