@@ -37,7 +37,7 @@ other than through the optimizer (or pass ``async_snapshot=False``). Memory: two
 snapshots per worker (2/W of the state each when striped), more while one is persisted
 (``docs/recovery.md``); sharded: up to 4x the rank's own shard, or with
 ``lean_snapshots=True`` one snapshot, 2x (3x during a commit's peer copy, which the next
-``optimizer.step()`` then waits for), or with ``"in_place"`` 2x throughout, a loss during
+``optimizer.step()`` then waits for), or with ``"in_place"`` 2x while commits succeed, a loss during
 the peer copy restoring from storage (``docs/sharded.md``). How: ``raylastic/_internal/snapshots/``.
 """
 

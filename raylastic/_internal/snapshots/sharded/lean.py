@@ -1,6 +1,6 @@
 """Lean sharded snapshots (``ElasticState(lean_snapshots=True)``): one snapshot kept, 2x
 the rank's own shard between commits and 3x during a commit's peer copy, instead of 4x
-(``"in_place"``: 2x throughout, see the end).
+(``"in_place"``: 2x while commits succeed, see the end).
 
 Why the default holds 4x: a commit copies the own shard of step k+1 into host buffers of
 its own while the next step runs, and the shards of step k stay whole until every peer
