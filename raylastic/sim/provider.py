@@ -50,6 +50,8 @@ from ray.autoscaler.tags import (
     TAG_RAY_USER_NODE_TYPE,
 )
 
+from raylastic.testing.cluster import QUIET_DAEMON_ENV
+
 logger = logging.getLogger(__name__)
 
 CONTROL_FILE = "control.json"
@@ -213,7 +215,7 @@ class SpotSimProvider(FakeMultiNodeProvider):
             redis_address=gcs,
             gcs_address=gcs,
             env_vars={
-                "REPORTER_UPDATE_INTERVAL_MS": "60000",  # testing.cluster.QUIET_DAEMON_ENV (why)
+                **QUIET_DAEMON_ENV,
                 "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id,
                 "RAY_CLOUD_INSTANCE_ID": node_id,
                 "RAY_NODE_TYPE_NAME": node_type,

@@ -25,6 +25,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 import raylastic
+from raylastic.testing.pace import pace
 
 META = "meta.json"
 _HDR = struct.Struct("<8sqq")  # magic, step, rank
@@ -149,8 +150,7 @@ def sharded_checkpoints(config: Dict[str, Any]) -> Dict[str, Any]:
         if world > 1 and dist.is_initialized():
             dist.all_reduce(t)
         acc += t
-        if sleep_s and (epoch == 1 or not config.get("sleep_first_group_only")):
-            time.sleep(sleep_s)
+        pace(config, world, sleep_s)
         metrics = {"step": step, "world_size": world, "epoch_id": epoch}
         if step % every == 0 or step == total:
             stop_after = gate(step)

@@ -6,12 +6,15 @@ ends), but the group that follows the last event needs no window at all, and on 
 tests' critical path its sleeps were seconds per test. A test touches the file named by
 ``config["regrown_flag"]`` right after adding the node back; from then on a group of
 ``config["fast_at_world"]`` (default 3) or more workers steps without sleeping. The group
-still smaller keeps its sleep: it is the window the added node joins in.
+still smaller keeps its sleep: it is the window the added node joins in. (A test whose
+groups all have the same size touches it after its last event, with ``fast_at_world``
+that size.)
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Mapping
 
 
@@ -26,4 +29,11 @@ def step_sleep(config: Mapping[str, Any], world: int, seconds: float) -> float:
     return 0.0 if seconds and regrown(config, world) else seconds
 
 
-__all__ = ["regrown", "step_sleep"]
+def pace(config: Mapping[str, Any], world: int, seconds: float) -> None:
+    """Sleep ``seconds`` after a step, unless this group is a regrown one."""
+    seconds = step_sleep(config, world, seconds)
+    if seconds:
+        time.sleep(seconds)
+
+
+__all__ = ["regrown", "step_sleep", "pace"]

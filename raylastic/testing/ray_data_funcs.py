@@ -22,7 +22,7 @@ import ray.train.torch
 import torch
 
 import raylastic
-from raylastic.testing.pace import step_sleep
+from raylastic.testing.pace import pace
 
 
 def ids_ddp(config: Dict[str, Any]) -> None:
@@ -70,7 +70,7 @@ def ids_ddp(config: Dict[str, Any]) -> None:
             opt.zero_grad()
             ddp(ids.view(-1, 1) / 1000.0).sum().backward()
             opt.step()
-            time.sleep(step_sleep(config, ctx.get_world_size(), float(config.get("step_sleep_s", 0.0))))
+            pace(config, ctx.get_world_size(), float(config.get("step_sleep_s", 0.0)))
             if state is not None:
                 state.step = step
                 state.commit({"step": step})
@@ -142,7 +142,7 @@ def ids_neutral(config: Dict[str, Any]) -> None:
                 + "\n"
             )
             log.flush()
-            time.sleep(step_sleep(config, ctx.get_world_size(), float(config.get("step_sleep_s", 0.0))))
+            pace(config, ctx.get_world_size(), float(config.get("step_sleep_s", 0.0)))
             with tempfile.TemporaryDirectory() as d:
                 if ctx.get_world_rank() == 0:
                     with open(os.path.join(d, "pos.json"), "w") as fh:

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
 
 import raylastic
-from raylastic.testing.pace import step_sleep
+from raylastic.testing.pace import pace
 
 
 def _dataset(config: Dict[str, Any]) -> torch.utils.data.TensorDataset:
@@ -78,8 +77,7 @@ def _pace(config: Dict[str, Any], ctx) -> None:
     sleep = float(config.get("step_sleep_s") or 0)
     if config.get("slow_below_world") and ctx.get_world_size() < int(config["slow_below_world"]):
         sleep = float(config.get("slow_sleep_s", 0.5))
-    if step_sleep(config, ctx.get_world_size(), sleep):
-        time.sleep(sleep)
+    pace(config, ctx.get_world_size(), sleep)
 
 
 def fsdp2_mlp(config: Dict[str, Any]) -> Dict[str, Any]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import raylastic
-from raylastic.testing.pace import step_sleep
+from raylastic.testing.pace import pace
 
 
 def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -70,8 +70,7 @@ def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
             and ctx.get_restart_count() < int(config.get("fail_times", 1))
         ):
             raise ValueError(f"injected failure at step {step}")
-        if step_sleep(config, world, sleep_s):
-            time.sleep(sleep_s)
+        pace(config, world, sleep_s)
         metrics = {
             "step": step,
             "loss": float(loss.detach()),
@@ -264,8 +263,7 @@ def elastic_mlp(config: Dict[str, Any]) -> None:
                     + "\n"
                 )
                 log.flush()
-            if step_sleep(config, world, float(config.get("step_sleep_s") or 0)):
-                time.sleep(float(config["step_sleep_s"]))
+            pace(config, world, float(config.get("step_sleep_s") or 0))
             metrics = {"epoch": batch.epoch, "step": batch.step, "world_size": world}
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:  # weights, optimizer and the loader's position, together

@@ -261,9 +261,10 @@ def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
     # and stops itself (SIGSTOP) with its upload just started: the test no longer races an
     # upload against its own polling. Racing it, a clean clone on a busy machine caught no
     # upload in flight before the run's 100 steps ended (2026-11-28, 6371072).
-    # The group after the kill only has to finish: it steps without sleeping.
+    # The group after the kill only has to finish: it steps without sleeping (pace.py).
+    regrown = tmp_path / "killed"
     cfg = {"total_steps": total, "checkpoint_every": every, "step_sleep_s": 0.2, "log_dir": log_dir,
-           "sleep_first_group_only": True,
+           "regrown_flag": str(regrown), "fast_at_world": 2,
            "shard_bytes": {1: 24 * MB},  # rank 1's upload takes a while; rank 0's is small
            "freeze": {"rank": 1, "from_step": 2 * every, "dir": str(gate_dir)}}
     trainer = _trainer(cfg, _run_config(run, uri, failure_config=FailureConfig(max_failures=0),
@@ -314,6 +315,7 @@ def test_node_killed_during_upload_never_leaves_a_loadable_partial_checkpoint(
         wait_until(lambda: victim["node_id"] not in cluster.alive_node_ids(), 30, what="node death")
         os.kill(victim["pid"], signal.SIGKILL)
         frozen = None
+        regrown.touch()
     except BaseException:
         if frozen is not None:
             os.kill(frozen, signal.SIGKILL)
