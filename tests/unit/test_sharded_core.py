@@ -145,15 +145,26 @@ def _phase(rank, world, phase, d):
                     "tensors": [t.clone() for _, t in ad.live_chunks()], "plain": ad.plain()}, f"{d}/r{rank}.pt")
     elif phase in ("memory", "files"):  # 3 ranks restore, 3 more steps
         old = {s: torch.load(f"{d}/r{s}.pt", weights_only=True) for s in range(2)}
-        targets = ad.restore_targets()
+        layout = {s: [Chunk.of(c) for c in old[s]["chunks"]] for s in old}
+        held = {s: old[s]["tensors"] for s in old if phase == "memory" and ((rank == 1 and s == 1) or (rank == 2 and s in (0, 1)))}
+        made = []
+
+        def targets_for(saved):
+            # Told the saved layout (every rank is, rank 0 in "memory" holding nothing
+            # too), the moments are made empty, one per saved key; not told, by a
+            # zero-gradient step, which leaves a "step" behind.
+            out = ad.restore_targets(saved if rank != 1 or phase != "files" else None)
+            made.extend(sorted(opt.state[p]) for p in m.parameters())
+            return out
+
         if phase == "memory":  # old shard s held by new rank s; rank 2 holds a copy of shard 1, rank 0 none
-            held = {s: old[s]["tensors"] for s in old if (rank == 1 and s == 1) or (rank == 2 and s in (0, 1))}
-            layout = {s: [Chunk.of(c) for c in old[s]["chunks"]] for s in old}
-            plain = reshard_from_memory(Transport.training(), targets, layout if held else None, held,
+            plain = reshard_from_memory(Transport.training(), targets_for, layout if held else None, held,
                                           old[0]["plain"] if held else None)
         else:
-            fill_from_files(targets, old)
+            fill_from_files(targets_for([c for cs in layout.values() for c in cs]), old)
             plain = old[0]["plain"]
+        stepped = rank == 1 and phase == "files"
+        assert made == [["exp_avg", "exp_avg_sq", "step"] if stepped else ["exp_avg", "exp_avg_sq"]] * 4, made
         ad.finish_restore(plain)
         for i in range(3, 6):
             _step(m, opt, i, world, rank)

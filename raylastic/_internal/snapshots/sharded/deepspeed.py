@@ -41,11 +41,11 @@ group and the next ``deepspeed.initialize`` fails ("Group ... is not registered"
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from raylastic._internal.snapshots.sharded.layout import Chunk, Piece
+from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, dtype_of
 
 FRAMEWORK = "deepspeed"
 
@@ -260,15 +260,25 @@ class DeepSpeedAdapter:
 
     # -- restore -------------------------------------------------------------------------------
     @torch.no_grad()
-    def _init_optimizer_state(self) -> None:
+    def _init_optimizer_state(self, saved: Optional[Iterable[Chunk]] = None) -> None:
         """Create the moments a fresh engine does not have yet (torch optimizers make them at
-        their first step): one step on zero gradients with learning rate 0, as
-        ``torch.distributed.checkpoint``'s ``_init_optim_state`` does, over the flat
-        partitions (placed in their param groups as ZeRO's own step places them)."""
+        their first step). With ``saved`` (the restored state's chunks): zeros for every
+        saved moment key over each flat partition (zeros: a partition's padding has no
+        saved piece), a memset where the step below costs an optimizer step. Else one step
+        on zero gradients with learning rate 0, as ``torch.distributed.checkpoint``'s
+        ``_init_optim_state`` does, over the flat partitions (placed in their param groups
+        as ZeRO's own step places them)."""
         opt, flats = self.optimizer, self._flats()
         if any(f in opt.state for fs in flats for f in fs):
             return
-        saved = [(g["params"], g.get("lr")) for g in opt.param_groups]
+        moments = {c.key.rpartition("/")[2]: c.dtype for c in saved or () if c.key.startswith("zero/")}
+        moments.pop("fp32", None)
+        if moments:
+            for fs in flats:
+                for f in fs:
+                    opt.state[f].update({k: torch.zeros_like(f, dtype=dtype_of(d)) for k, d in moments.items()})
+            return
+        kept = [(g["params"], g.get("lr")) for g in opt.param_groups]
         grads = [(f, f.grad) for fs in flats for f in fs]  # CPU offload keeps gradient buffers attached
         try:
             for g, fs in zip(opt.param_groups, flats):
@@ -279,17 +289,17 @@ class DeepSpeedAdapter:
                 f.grad = torch.zeros_like(f)
             opt.step()
         finally:
-            for g, (params, lr) in zip(opt.param_groups, saved):
+            for g, (params, lr) in zip(opt.param_groups, kept):
                 g["params"] = params
                 if lr is not None:
                     g["lr"] = lr
             for f, grad in grads:
                 f.grad = grad
 
-    def restore_targets(self) -> List[Piece]:
+    def restore_targets(self, saved: Optional[Iterable[Chunk]] = None) -> List[Piece]:
         if _is_zero3(self.zero):
             self.zero.checkpoint_event_prologue()  # release gathered parameters to their partitions
-        self._init_optimizer_state()
+        self._init_optimizer_state(saved)
         if not _is_zero3(self.zero):
             # link each parameter's fragment to the (new) moments, as the first step() does
             self.zero._lazy_init_hp_params_optimizer_state()

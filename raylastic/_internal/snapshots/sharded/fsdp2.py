@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from raylastic._internal.snapshots.sharded.layout import Chunk, Piece
+from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, dtype_of
 
 
 def is_dtensor(t: Any) -> bool:
@@ -52,6 +52,10 @@ def _mesh_view(t: Any) -> str:
         )
     except Exception as e:  # noqa: BLE001 - a diagnostic only
         return f"mesh not readable: {e!r}"
+
+
+def _local(t: Any) -> torch.Tensor:
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def _whole_chunk(key: str, t: torch.Tensor) -> Piece:
@@ -118,14 +122,40 @@ class FSDP2Adapter:
             "param_groups": groups,
         }
 
-    def restore_targets(self) -> List[Piece]:
+    def restore_targets(self, saved: Optional[Iterable[Chunk]] = None) -> List[Piece]:
+        """The pieces to fill. A new optimizer has no moments yet: with ``saved`` (the
+        restored state's chunks) they are made empty, one per saved key, to be filled;
+        without it (a rank holding none of the snapshot), by a zero-gradient step with lr
+        0, as ``torch.distributed.checkpoint`` does. That step took 0.46-0.65 s of a 1.1 s
+        restore (51.6M parameters, 2 workers on 2 shared cores, 2026-12-07)."""
         if self.optimizer is not None and not self.optimizer.state:
-            # A new optimizer has no moments yet: create them (a zero-gradient step with lr 0,
-            # as torch.distributed.checkpoint does) so there are tensors to fill.
-            from torch.distributed.checkpoint.state_dict import _init_optim_state
+            if saved is None or not self._make_moments(saved):
+                from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-            _init_optim_state(self.optimizer)
+                _init_optim_state(self.optimizer)
         return self.live_chunks()
+
+    def _make_moments(self, saved: Iterable[Chunk]) -> bool:
+        """An empty tensor like its parameter (a DTensor of the same placement) for every
+        saved ``optim/<param>/<state>`` key; the scalars come in ``finish_restore``. False,
+        making nothing, when there is no such key, or one does not name a parameter of this
+        optimizer or has another shape: the zero-gradient step makes the moments then."""
+        assert self.optimizer is not None
+        mine = {
+            n: p for p in (q for g in self.optimizer.param_groups for q in g["params"]) if (n := self._names.get(id(p)))
+        }
+        made: Dict[Any, Dict[str, torch.Tensor]] = {}
+        for c in saved:
+            if not c.key.startswith("optim/"):
+                continue
+            name, _, k = c.key[len("optim/") :].rpartition("/")
+            p = mine.get(name)
+            if p is None or tuple(c.global_shape) != tuple(p.shape):
+                return False
+            made.setdefault(p, {})[k] = torch.empty_like(p.detach(), dtype=dtype_of(c.dtype))
+        for p, moments in made.items():
+            self.optimizer.state[p].update(moments)
+        return bool(made)
 
     def finish_restore(self, plain: Dict[str, Any]) -> None:
         if plain.get("framework") != "fsdp2":
@@ -146,12 +176,18 @@ class FSDP2Adapter:
             g.update(saved)
         scalars = plain.get("scalars", {})
         by_name = {n: p for n, p in self.model.named_parameters()}
+        groups_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         for name, vals in scalars.items():
-            st = self.optimizer.state[by_name[name]]
+            p = by_name[name]
+            st = self.optimizer.state[p]
             for k, v in vals.items():
                 cur = st.get(k)
                 if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
                     cur.copy_(v)
+                elif isinstance(v, torch.Tensor):  # a copy: the optimizer steps it in place
+                    g = groups_of.get(id(p), {})
+                    on = _local(p).device if g.get("capturable") or g.get("fused") else v.device
+                    st[k] = v.detach().clone().to(on)
                 else:
                     st[k] = v
 

@@ -5,7 +5,7 @@ a persisted checkpoint (:func:`fill_from_files`). See ``sharded/__init__`` for w
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -20,45 +20,37 @@ def _fill_targets(targets: Sequence[Piece], pieces: Sequence[Piece], counts: Lis
 
 def reshard_from_memory(
     transport: Transport,
-    targets: Sequence[Piece],
+    make_targets: Callable[[List[Chunk]], Sequence[Piece]],
     layout: Optional[Mapping[int, List[Chunk]]],
     held: Mapping[int, Sequence[torch.Tensor]],
     plain: Optional[Dict[str, Any]],
 ) -> Dict[str, Any]:
     """Collective over ``transport``'s group (host tensors: the side group): fill every
-    rank's ``targets`` from the old shards the members hold. ``layout``: old shard -> its chunks (None on a rank holding nothing);
-    ``held``: old shard -> this rank's host tensors of it. Returns the snapshot's plain
-    state (from the lowest holder). Raises ValueError on every rank alike when the old
-    state does not fit or the holders do not cover it."""
+    rank's targets from the old shards the members hold. ``layout``: old shard -> its chunks (None on a rank holding nothing);
+    ``held``: old shard -> this rank's host tensors of it. ``make_targets``: this rank's
+    pieces in the new layout, given the old layout's chunks (sent to every rank first, so a
+    rank holding nothing, a member just added, knows them too: the adapters make an empty
+    optimizer's moments from them instead of by a step). Returns the snapshot's plain state
+    (from the lowest holder). Raises ValueError on every rank alike when the old state does
+    not fit or the holders do not cover it."""
     world, rank = transport.world, transport.rank
     mine = {
         "held": sorted(held),
-        "targets": [c.as_tuple() for c, _t in targets],
         "layout": {s: [c.as_tuple() for c in cs] for s, cs in layout.items()} if layout else None,
         "plain": plain if held else None,
     }
     everyone = transport.gather(mine)
     ref = next((e for e in everyone if e["held"]), None)
-    problem = None
     if ref is None:
-        problem = "no member holds any shard of the snapshot"
-    else:
-        old = {int(s): [Chunk.of(t) for t in cs] for s, cs in ref["layout"].items()}
-        have = set().union(*(set(e["held"]) for e in everyone))
-        if not have >= set(old):
-            problem = f"the members hold shards {sorted(have)} of {len(old)}: not all of them"
-        else:
-            try:
-                check_fits(
-                    [c for cs in old.values() for c in cs], [Chunk.of(t) for e in everyone for t in e["targets"]]
-                )
-            except ValueError as e:
-                problem = str(e)
-    if problem is not None:
-        raise ValueError(problem)
-    assert ref is not None  # else problem is set
+        raise ValueError("no member holds any shard of the snapshot")
+    old = {int(s): [Chunk.of(t) for t in cs] for s, cs in ref["layout"].items()}
+    have = set().union(*(set(e["held"]) for e in everyone))
+    if not have >= set(old):
+        raise ValueError(f"the members hold shards {sorted(have)} of {len(old)}: not all of them")
+    targets = make_targets([c for cs in old.values() for c in cs])
+    wants = [[Chunk.of(t) for t in cs] for cs in transport.gather([c.as_tuple() for c, _t in targets])]
+    check_fits([c for cs in old.values() for c in cs], [c for cs in wants for c in cs])  # (on every rank alike)
     holder = {s: min(q for q, e in enumerate(everyone) if s in e["held"]) for s in old}
-    wants = [[Chunk.of(t) for t in e["targets"]] for e in everyone]
     counts = [0] * len(targets)
     seen = set()
     for s in sorted(old):

@@ -89,16 +89,16 @@ class ShardedState(CopyWaiter):
             held = {int(s): ts for s, ts in tree.items() if ts and not any(t.is_meta for t in ts)}
             held.update({int(s): [] for s, ts in tree.items() if not ts})  # a shard with no pieces
             plain = snap.plain
-        targets = self.adapter.restore_targets()
         if self._side is None and not dist.is_initialized():
             if not held or layout is None or set(held) != set(layout):
                 raise ValueError("this single process does not hold every shard of the snapshot")
+            targets = self.adapter.restore_targets([c for cs in layout.values() for c in cs])
             fill_from_files(
                 targets, {s: {"chunks": [c.as_tuple() for c in layout[s]], "tensors": held[s]} for s in held}
             )
         else:
             transport = self._side if self._side is not None else Transport.training()  # one rank
-            plain = reshard_from_memory(transport, targets, layout, held, plain)
+            plain = reshard_from_memory(transport, self.adapter.restore_targets, layout, held, plain)
         assert plain is not None  # held shards came with the snapshot's plain; reshard returns it
         self.adapter.finish_restore(plain[ROOT]["adapter"])
         return plain, (snap.rng if snap is not None else {})  # a survivor keeps its RNG streams
@@ -120,7 +120,7 @@ class ShardedState(CopyWaiter):
         if ROOT not in plain:
             raise ValueError("the checkpoint holds replicated (DDP) state; this model is sharded")
         layout = {int(s): cs for s, cs in plain[ROOT]["layout"].items()}
-        targets = self.adapter.restore_targets()
+        targets = self.adapter.restore_targets([Chunk.of(c) for cs in layout.values() for c in cs])
         everyone = [c for c, _t in targets]
         if dist.is_initialized() and self.world > 1:
             # Every rank restores from the same checkpoint here (collective): the saved
