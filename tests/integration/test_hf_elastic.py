@@ -117,12 +117,6 @@ def _cfg(tmp_path, tag, **extra):
 
 def test_hf_trainer_resizes_in_place_exactly_once_and_same_weights(local_cluster, restore_nodes, run_dir, tmp_path):
     train_func = _make_train_func()
-    ref_cfg = _cfg(tmp_path, "ref", ga=1, via_ray=False)  # ga is recomputed: 12 / (2 * 2) = 3
-    ref = ElasticTrainer(train_func, train_loop_config=ref_cfg,
-                         scaling_config=ScalingConfig(min_workers=2, max_workers=2),
-                         run_config=RunConfig(name="ref", storage_path=run_dir, verbose=False)).fit()
-    assert ref.world_sizes == [2]
-
     # Elastic: Ray's API under raylastic.TorchTrainer; the default global batch is
     # per_device (2) * ga (2) * max_workers (3) = 12, as in the reference.
     # Paced by world size: lightly at 3 workers (the kill must land), more at 2 while the
@@ -143,6 +137,15 @@ def test_hf_trainer_resizes_in_place_exactly_once_and_same_weights(local_cluster
     result = th.wait(240)
     sizes = result.world_sizes
     assert sizes[-3:] == [3, 2, 3] and set(sizes[:-3]) <= {2}, sizes
+
+    # The fixed-size reference after the elastic run: it takes 2 of the 3 workers the
+    # elastic run keeps (keep_workers_s, the local_cluster modules' 30 s) instead of
+    # starting its own.
+    ref_cfg = _cfg(tmp_path, "ref", ga=1, via_ray=False)  # ga is recomputed: 12 / (2 * 2) = 3
+    ref = ElasticTrainer(train_func, train_loop_config=ref_cfg,
+                         scaling_config=ScalingConfig(min_workers=2, max_workers=2),
+                         run_config=RunConfig(name="ref", storage_path=run_dir, verbose=False)).fit()
+    assert ref.world_sizes == [2]
 
     restores = w.events(EventKind.CHECKPOINT_RESTORED)
     # Survivors stuck where the abort does not reach (a collective inside the framework's

@@ -127,14 +127,6 @@ def _cfg(tmp_path, tag, **extra):
 def test_lightning_trainer_resizes_in_place_exactly_once_and_same_weights(local_cluster, restore_nodes,
                                                                           run_dir, tmp_path):
     train_func = _make_train_func()
-    # Reference: 2 workers, no faults; default global batch = 2 (micro) * 3 (ga) * 2 = 12.
-    ref_cfg = _cfg(tmp_path, "ref", ga=3)
-    ref = ElasticTrainer(train_func, train_loop_config=ref_cfg,
-                         scaling_config=ScalingConfig(min_workers=2, max_workers=2),
-                         run_config=RunConfig(name="ref", storage_path=run_dir, verbose=False)).fit()
-    assert ref.world_sizes == [2]
-    assert ref.return_value == {"global_step": EPOCHS * SPE, "current_epoch": EPOCHS}
-
     # Elastic: 2-3 workers, global batch 12 (given: prepare_trainer(trainer, G)), kept at 2 workers.
     # Through Ray Train's Lightning API (RayDDPStrategy, RayLightningEnvironment, Ray's
     # prepare_trainer, RayTrainReportCallback's per-epoch checkpoints) under raylastic.TorchTrainer.
@@ -155,6 +147,16 @@ def test_lightning_trainer_resizes_in_place_exactly_once_and_same_weights(local_
     sizes = result.world_sizes
     assert sizes[-3:] == [3, 2, 3] and set(sizes[:-3]) <= {2}, sizes
     assert result.return_value == {"global_step": EPOCHS * SPE, "current_epoch": EPOCHS}
+
+    # Reference: 2 workers, no faults; default global batch = 2 (micro) * 3 (ga) * 2 = 12.
+    # After the elastic run: it takes 2 of the 3 workers the elastic run keeps
+    # (keep_workers_s, the local_cluster modules' 30 s) instead of starting its own.
+    ref_cfg = _cfg(tmp_path, "ref", ga=3)
+    ref = ElasticTrainer(train_func, train_loop_config=ref_cfg,
+                         scaling_config=ScalingConfig(min_workers=2, max_workers=2),
+                         run_config=RunConfig(name="ref", storage_path=run_dir, verbose=False)).fit()
+    assert ref.world_sizes == [2]
+    assert ref.return_value == {"global_step": EPOCHS * SPE, "current_epoch": EPOCHS}
 
     restores = w.events(EventKind.CHECKPOINT_RESTORED)
     # Survivors stuck where the abort does not reach (a collective inside the framework's

@@ -4,6 +4,7 @@ import pytest
 
 from raylastic import ConfigError, ScalingConfig
 from raylastic._internal.worker_group.keeper import KeptWorkers
+from raylastic._internal.worker_group.pool import _options_key
 from raylastic.config import KEEP_ENV
 
 
@@ -51,3 +52,14 @@ def test_keep_workers_s_defaults_to_the_environment_and_is_checked(monkeypatch):
         ScalingConfig(keep_workers_s=-1)
     with pytest.raises(ConfigError, match="ScalingConfig.keep_workers_s"):
         ScalingConfig(keep_workers_s=float("nan"))
+
+
+def test_the_options_key_compares_amounts_as_numbers():
+    """raylastic.TorchTrainer's workers ({"CPU": 1}, Ray Train's default) serve an
+    ElasticTrainer's fit ({"CPU": 1.0}) and back; other amounts and options do not."""
+    base = {"num_cpus": 1.0, "num_gpus": 0, "max_concurrency": 8, "resources": {"trainer_node": 1.0}}
+    assert _options_key({**base, "num_cpus": 1}) == _options_key(base)
+    assert _options_key({**base, "resources": {"trainer_node": 1}}) == _options_key(base)
+    assert _options_key({**base, "num_cpus": 2}) != _options_key(base)
+    assert _options_key({**base, "scheduling_strategy": "SPREAD"}) != _options_key(base)
+    assert _options_key({**base, "num_gpus": True}) != _options_key({**base, "num_gpus": 1})

@@ -270,8 +270,16 @@ def count_placed(actor_ids: Set[str]) -> int:
 
 
 def _options_key(options: Dict[str, Any]) -> str:
-    """Kept workers are taken only by a run asking for the same actor options."""
-    return json.dumps(options, sort_keys=True, default=str)
+    """Kept workers are taken only by a run asking for the same actor options. Amounts
+    compare as numbers: ``raylastic.TorchTrainer`` asks for Ray Train's ``{"CPU": 1}``,
+    ``ElasticTrainer`` for ``{"CPU": 1.0}``, and one's workers are the other's."""
+
+    def amounts(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: amounts(x) for k, x in v.items()}
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+    return json.dumps(amounts(options), sort_keys=True, default=str)
 
 
 def spares_holding_needed_state(ready: List, members: List, running: bool) -> List:
