@@ -17,28 +17,17 @@ Constructing the state restores into the given objects, in order of preference:
 2. the latest committed checkpoint in storage (a fresh cluster, or a node lost together
    with the node holding the second copy of its shard);
 3. nothing (a fresh start).
-Attributes and ``state_dict()`` s must load back with ``torch.load(weights_only=True)``:
-checked when set and at each commit, not at a restore (numpy scalars become Python
-scalars; ``_internal/state_values.py``).
+Attributes and ``state_dict()`` s must load back with ``torch.load(weights_only=True)``
+(checked when set and at each commit; ``_internal/state_values.py``).
 
-Replicated models (DDP): every rank holds the same state, so with 3 or more workers
-(``striped=True``, the default) each rank copies only its stripe, 2 of W shards placed so
-that every shard has copies on two nodes. Sharded models (FSDP2 ``fully_shard``,
-recognised by their DTensor parameters; DeepSpeed ZeRO 1-3 through ``engine=``): each rank
-snapshots its own shard and a peer copies it in the background; a restore re-partitions
-the old shards for the new world size (``docs/sharded.md``). Per-rank RNG streams come
-back from the rank's own snapshot when the rank survived.
-
-Cost: ``commit()`` copies the state into recycled host buffers, by default
-(``async_snapshot=True``, an optimizer registered) in the background while the next
-step's forward and backward run; the optimizer's next ``step()`` waits for it. Contract:
-between ``commit()`` and the next ``optimizer.step()``, do not change parameters in place
-other than through the optimizer (or pass ``async_snapshot=False``). Memory: two
-snapshots per worker (2/W of the state each when striped), more while one is persisted
-(``docs/recovery.md``); sharded: up to 4x the rank's own shard, or with
-``lean_snapshots=True`` one snapshot, 2x (3x during a commit's peer copy, which the next
-``optimizer.step()`` then waits for), or with ``"in_place"`` 2x while commits succeed, a loss during
-the peer copy restoring from storage (``docs/sharded.md``). How: ``raylastic/_internal/snapshots/``.
+How, and what it costs (``raylastic/_internal/snapshots/``): replicated models (DDP) copy
+a stripe of the state per rank (``striped=True``), sharded ones (FSDP2 ``fully_shard``,
+DeepSpeed ZeRO 1-3 through ``engine=``) their own shard, which a peer backs up and a
+restore re-partitions for the new world size. The copy overlaps the next step until its
+``optimizer.step()`` (``async_snapshot=True``): do not change parameters in place other
+than through the optimizer in between. A surviving rank gets its RNG streams back from
+its own snapshot. Memory per mode, and ``lean_snapshots``:
+``docs/recovery.md`` and ``docs/sharded.md``.
 """
 
 from __future__ import annotations
