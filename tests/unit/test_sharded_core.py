@@ -168,6 +168,10 @@ def _phase(rank, world, phase, d):
         ad.finish_restore(plain)
         for i in range(3, 6):
             _step(m, opt, i, world, rank)
+        # Adam counts its steps in place: the restored counters are copies, and the saved
+        # state (an in-memory snapshot may serve another restore) still says 3.
+        saved_steps = [float(v["step"]) for v in plain["scalars"].values()]
+        assert saved_steps == [3.0] * 4 and [float(opt.state[p]["step"]) for p in m.parameters()] == [6.0] * 4
     else:  # uninterrupted, 2 ranks, 6 steps
         for i in range(6):
             _step(m, opt, i, world, rank)
