@@ -126,7 +126,7 @@ class FSDP2Adapter:
         """The pieces to fill. A new optimizer has no moments yet: with ``saved`` (the
         restored state's chunks) they are made empty, one per saved key, to be filled;
         without it (a rank holding none of the snapshot), by a zero-gradient step with lr
-        0, as ``torch.distributed.checkpoint`` does. That step took 0.46-0.65 s of a 1.1 s
+        0, as ``torch.distributed.checkpoint`` does. That step took 0.46-0.65 s of a ~1 s
         restore (51.6M parameters, 2 workers on 2 shared cores, 2026-12-07)."""
         if self.optimizer is not None and not self.optimizer.state:
             if saved is None or not self._make_moments(saved):
