@@ -138,6 +138,26 @@ def _phase(rank, world, phase, d):
     from raylastic._internal.snapshots.transport import Transport
     m, opt = _build()
     ad = FSDP2Adapter(m, opt)
+    if phase == "target_error":  # rank 1 cannot make its targets: every rank raises, none waits
+        old = {s: torch.load(f"{d}/r{s}.pt", weights_only=True) for s in range(2)}
+        layout = {s: [Chunk.of(c) for c in old[s]["chunks"]] for s in old}
+        held = {s: old[s]["tensors"] for s in old if rank == 2}
+
+        def targets_or_fail(saved):
+            if rank == 1:
+                raise MemoryError("no room")
+            return ad.restore_targets(saved)
+
+        try:
+            reshard_from_memory(Transport.training(), targets_or_fail, layout if held else None, held,
+                                old[0]["plain"] if held else None)
+        except MemoryError:
+            assert rank == 1
+        except RuntimeError as e:
+            assert rank != 1 and "rank 1: MemoryError: no room" in str(e), e
+        else:
+            raise AssertionError(f"rank {rank} went on")
+        return
     if phase == "save":  # 2 ranks, 3 steps: every rank keeps its pieces
         for i in range(3):
             _step(m, opt, i, world, rank)
@@ -185,7 +205,7 @@ def test_fsdp2_state_resumes_at_another_world_size_from_memory_and_from_files(tm
     # Two spawns (one per world size), not one per phase: "fixed" is independent of "save",
     # and "memory" and "files" each restore from save's files on their own fresh model.
     mp.spawn(_worker, args=(2, 29701, ("save", "fixed"), d), nprocs=2)
-    mp.spawn(_worker, args=(3, 29702, ("memory", "files"), d), nprocs=3)
+    mp.spawn(_worker, args=(3, 29702, ("memory", "files", "target_error"), d), nprocs=3)
     fixed = torch.load(f"{d}/fixed.pt")
     for phase in ("memory", "files"):
         got = torch.load(f"{d}/{phase}.pt")

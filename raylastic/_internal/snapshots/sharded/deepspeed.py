@@ -45,7 +45,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, dtype_of
+from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, dtype_of, hyper_params
 
 FRAMEWORK = "deepspeed"
 
@@ -172,15 +172,21 @@ class DeepSpeedAdapter:
                         key = f"zero/{name}/{k or 'fp32'}"
                         out.append((Chunk(key, (p.ds_numel,), (start,), (n,), str(t.dtype)), t))
             return out
-        for lps in self._lp_groups:
+        for lps, flat in zip(self._lp_groups, self.zero.single_partition_of_fp32_groups):
+            # The moments are cut from the flat partition's state here, not taken from the
+            # parameter's ``optim_fragment``: ZeRO-1/2 links those once, after the first
+            # group's first step, when the other groups have no state yet, so a second
+            # group's moments were never in a snapshot (DeepSpeed 0.19.8, 2026-12-07).
+            st = self.optimizer.state.get(flat, {})
+            keys = self._state_keys(flat)
             for p in lps:
                 m = getattr(p, "_hp_mapping", None)
                 if m is None:  # no part of this parameter in this rank's partition
                     continue
                 name = self._name(p)
                 start, n = m.lp_fragment_address.start, m.lp_fragment_address.numel
-                tensors = [("fp32", m.hp_fragment)]
-                tensors += sorted((m.optim_fragment or {}).items())
+                hp = m.hp_fragment_address
+                tensors = [("fp32", m.hp_fragment)] + [(k, st[k].narrow(0, hp.start, hp.numel)) for k in keys]
                 for k, t in tensors:
                     out.append((Chunk(f"zero/{name}/{k}", (p.numel(),), (start,), (n,), str(t.dtype)), t))
         return out
@@ -229,7 +235,7 @@ class DeepSpeedAdapter:
         sched = getattr(eng, "lr_scheduler", None)
         return {
             **self._fingerprint(),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "param_groups": [hyper_params(g) for g in self.optimizer.param_groups],
             "scalars": scalars,
             "counters": {
                 k: getattr(eng, k)
@@ -262,8 +268,9 @@ class DeepSpeedAdapter:
     @torch.no_grad()
     def _init_optimizer_state(self, saved: Optional[Iterable[Chunk]] = None) -> None:
         """Create the moments a fresh engine does not have yet (torch optimizers make them at
-        their first step). With ``saved`` (the restored state's chunks): zeros for every
-        saved moment key over each flat partition (zeros: a partition's padding has no
+        their first step). With ``saved`` (the restored state's chunks): zeros for each
+        moment key saved for a group's parameters over that group's flat partition (groups
+        may keep different state: amsgrad in one only; zeros: a partition's padding has no
         saved piece), a memset where the step below costs an optimizer step. Else one step
         on zero gradients with learning rate 0, as ``torch.distributed.checkpoint``'s
         ``_init_optim_state`` does, over the flat partitions (placed in their param groups
@@ -271,12 +278,7 @@ class DeepSpeedAdapter:
         opt, flats = self.optimizer, self._flats()
         if any(f in opt.state for fs in flats for f in fs):
             return
-        moments = {c.key.rpartition("/")[2]: c.dtype for c in saved or () if c.key.startswith("zero/")}
-        moments.pop("fp32", None)
-        if moments:
-            for fs in flats:
-                for f in fs:
-                    opt.state[f].update({k: torch.zeros_like(f, dtype=dtype_of(d)) for k, d in moments.items()})
+        if saved is not None and self._make_moments(saved):
             return
         kept = [(g["params"], g.get("lr")) for g in opt.param_groups]
         grads = [(f, f.grad) for fs in flats for f in fs]  # CPU offload keeps gradient buffers attached
@@ -295,6 +297,24 @@ class DeepSpeedAdapter:
                     g["lr"] = lr
             for f, grad in grads:
                 f.grad = grad
+
+    def _make_moments(self, saved: Iterable[Chunk]) -> bool:
+        """The zeros of ``_init_optimizer_state``; False, making nothing, when a saved key
+        names no parameter of this engine or none is a moment."""
+        group_of = {self._names.get(p): i for i, lps in enumerate(self._lp_groups) for p in lps}
+        moments: Dict[int, Dict[str, str]] = {}
+        for c in saved:
+            name, _, k = c.key[len("zero/") :].rpartition("/")
+            if not c.key.startswith("zero/") or k == "fp32":
+                continue
+            if name not in group_of:
+                return False
+            moments.setdefault(group_of[name], {})[k] = c.dtype
+        zero3 = _is_zero3(self.zero)
+        for i, keys in moments.items():
+            f = self.zero.fp32_partitioned_groups_flat[i] if zero3 else self.zero.single_partition_of_fp32_groups[i]
+            self.optimizer.state[f].update({k: torch.zeros_like(f, dtype=dtype_of(d)) for k, d in keys.items()})
+        return bool(moments)
 
     def restore_targets(self, saved: Optional[Iterable[Chunk]] = None) -> List[Piece]:
         if _is_zero3(self.zero):
@@ -348,16 +368,18 @@ class DeepSpeedAdapter:
     def finish_restore(self, plain: Dict[str, Any]) -> None:
         self.check(plain)
         for g, saved in zip(self.optimizer.param_groups, plain["param_groups"]):
-            g.update(saved)
-        for flats, vals in zip(self._flats(), plain["scalars"]):
+            g.update(hyper_params(saved))
+        for g, flats, vals in zip(self.optimizer.param_groups, self._flats(), plain["scalars"]):
             for f in flats:
                 st = self.optimizer.state[f]
                 for k, v in vals.items():
                     cur = st.get(k)
                     if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) and cur.shape == v.shape:
                         cur.copy_(v)
+                    elif isinstance(v, torch.Tensor):  # a copy: the optimizer steps it in place
+                        st[k] = v.clone().to(f.device if g.get("capturable") or g.get("fused") else v.device)
                     else:
-                        st[k] = v.clone() if isinstance(v, torch.Tensor) else v
+                        st[k] = v
         for k, v in plain.get("counters", {}).items():
             setattr(self.engine, k, v)
         sched = getattr(self.engine, "lr_scheduler", None)

@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, dtype_of
+from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, dtype_of, hyper_params
 
 
 def is_dtensor(t: Any) -> bool:
@@ -110,11 +110,7 @@ class FSDP2Adapter:
             if isinstance(v, torch.Tensor) and (is_dtensor(v) or v.dim() > 0):
                 continue
             scalars.setdefault(name, {})[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
-        groups = (
-            [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            if self.optimizer is not None
-            else []
-        )
+        groups = [hyper_params(g) for g in self.optimizer.param_groups] if self.optimizer is not None else []
         return {
             "framework": "fsdp2",
             "optimizer": type(self.optimizer).__name__ if self.optimizer else None,
@@ -152,7 +148,8 @@ class FSDP2Adapter:
             p = mine.get(name)
             if p is None or tuple(c.global_shape) != tuple(p.shape):
                 return False
-            made.setdefault(p, {})[k] = torch.empty_like(p.detach(), dtype=dtype_of(c.dtype))
+            if k not in made.setdefault(p, {}):  # (each old shard lists the key)
+                made[p][k] = torch.empty_like(p.detach(), dtype=dtype_of(c.dtype))
         for p, moments in made.items():
             self.optimizer.state[p].update(moments)
         return bool(made)
@@ -173,7 +170,7 @@ class FSDP2Adapter:
                 f"{len(self.optimizer.param_groups)}"
             )
         for g, saved in zip(self.optimizer.param_groups, groups):
-            g.update(saved)
+            g.update(hyper_params(saved))
         scalars = plain.get("scalars", {})
         by_name = {n: p for n, p in self.model.named_parameters()}
         groups_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}

@@ -165,6 +165,13 @@ def layout_fingerprint(chunks: Sequence[Chunk]) -> str:
     return hashlib.sha1(repr([c.as_tuple() for c in chunks]).encode()).hexdigest()
 
 
+def hyper_params(group: Dict[str, Any]) -> Dict[str, Any]:
+    """An optimizer param group's hyper-parameters (all but ``params``), tensors copied: an
+    LR scheduler updates a tensor ``lr`` in place, which would otherwise move a snapshot's
+    value along with the live one, or the live one along with the snapshot's."""
+    return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
+
+
 def dtype_of(name: str) -> torch.dtype:
     d = getattr(torch, name.replace("torch.", ""), None) if name else torch.float32
     if not isinstance(d, torch.dtype):
@@ -186,6 +193,7 @@ __all__ = [
     "distinct",
     "layout_fingerprint",
     "dtype_of",
+    "hyper_params",
     "meta",
     "ROOT",
 ]

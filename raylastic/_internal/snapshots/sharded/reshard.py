@@ -5,7 +5,7 @@ a persisted checkpoint (:func:`fill_from_files`). See ``sharded/__init__`` for w
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,8 +47,19 @@ def reshard_from_memory(
     have = set().union(*(set(e["held"]) for e in everyone))
     if not have >= set(old):
         raise ValueError(f"the members hold shards {sorted(have)} of {len(old)}: not all of them")
-    targets = make_targets([c for cs in old.values() for c in cs])
-    wants = [[Chunk.of(t) for t in cs] for cs in transport.gather([c.as_tuple() for c, _t in targets])]
+    mine_error: Optional[BaseException] = None
+    try:
+        targets = make_targets([c for cs in old.values() for c in cs])
+        sent: Tuple[Optional[str], List[Any]] = (None, [c.as_tuple() for c, _t in targets])
+    except Exception as e:  # noqa: BLE001 - sent to the others, then raised: none waits on this rank
+        mine_error, targets, sent = e, [], (f"rank {rank}: {type(e).__name__}: {e}", [])
+    got = transport.gather(sent)
+    failed = [err for err, _cs in got if err]
+    if mine_error is not None:
+        raise mine_error
+    if failed:
+        raise RuntimeError(f"the restore stopped: {failed[0]}")
+    wants = [[Chunk.of(t) for t in cs] for _err, cs in got]
     check_fits([c for cs in old.values() for c in cs], [c for cs in wants for c in cs])  # (on every rank alike)
     holder = {s: min(q for q, e in enumerate(everyone) if s in e["held"]) for s in old}
     counts = [0] * len(targets)
