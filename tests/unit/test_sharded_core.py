@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from raylastic._internal.snapshots.sharded.layout import Chunk, check_fits, fill
+from raylastic._internal.snapshots.sharded.layout import Chunk, check_fits, fill, hyper_params
 from raylastic._internal.snapshots.sharded.reshard import fill_from_files
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,6 +65,19 @@ def test_state_that_does_not_fit_is_refused_with_the_reason(change, reason):
     targets = [(change(c), t) for c, t in _split("w", torch.zeros(7, 11), 3)]
     with pytest.raises(ValueError, match=reason):
         check_fits([c for c, _ in pieces], [c for c, _ in targets])
+
+
+def test_hyper_parameters_are_copied_out_of_the_live_param_group():
+    """A tensor lr is updated in place by LR schedulers: the snapshot's must not follow."""
+    lr = torch.tensor(0.1)
+    saved = hyper_params({"params": [torch.zeros(2)], "lr": lr, "betas": (0.9, 0.99)})
+    lr.mul_(0.5)
+    assert set(saved) == {"lr", "betas"} and saved["betas"] == (0.9, 0.99)
+    assert float(saved["lr"]) == pytest.approx(0.1)
+    live = {"params": [], "lr": torch.tensor(1.0)}
+    live.update(hyper_params(saved))  # a restore: the live value is not the snapshot's tensor
+    live["lr"].mul_(0.5)
+    assert float(saved["lr"]) == pytest.approx(0.1)
 
 
 def test_pieces_that_do_not_cover_a_new_piece_are_refused():
