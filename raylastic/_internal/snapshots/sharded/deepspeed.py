@@ -45,7 +45,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, dtype_of, hyper_params
+from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, dtype_of, hyper_params, saved_scalar, state_key
 
 FRAMEWORK = "deepspeed"
 
@@ -304,8 +304,8 @@ class DeepSpeedAdapter:
         group_of = {self._names.get(p): i for i, lps in enumerate(self._lp_groups) for p in lps}
         moments: Dict[int, Dict[str, str]] = {}
         for c in saved:
-            name, _, k = c.key[len("zero/") :].rpartition("/")
-            if not c.key.startswith("zero/") or k == "fp32":
+            name, k = state_key(c.key, "zero") or ("", "fp32")
+            if k == "fp32":
                 continue
             if name not in group_of:
                 return False
@@ -321,7 +321,9 @@ class DeepSpeedAdapter:
             self.zero.checkpoint_event_prologue()  # release gathered parameters to their partitions
         self._init_optimizer_state(saved)
         if not _is_zero3(self.zero):
-            # link each parameter's fragment to the (new) moments, as the first step() does
+            # link each parameter's optim_fragment to the (new) moments, as the first step()
+            # does, for DeepSpeed's own safe_get_*_optimizer_state (``live_chunks`` cuts the
+            # moments from the flat partitions instead: see there)
             self.zero._lazy_init_hp_params_optimizer_state()
         return self.live_chunks()
 
@@ -376,8 +378,8 @@ class DeepSpeedAdapter:
                     cur = st.get(k)
                     if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) and cur.shape == v.shape:
                         cur.copy_(v)
-                    elif isinstance(v, torch.Tensor):  # a copy: the optimizer steps it in place
-                        st[k] = v.clone().to(f.device if g.get("capturable") or g.get("fused") else v.device)
+                    elif isinstance(v, torch.Tensor):
+                        st[k] = saved_scalar(v, g, f.device)
                     else:
                         st[k] = v
         for k, v in plain.get("counters", {}).items():

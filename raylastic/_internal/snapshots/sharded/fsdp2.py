@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, dtype_of, hyper_params
+from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, dtype_of, hyper_params, saved_scalar, state_key
 
 
 def is_dtensor(t: Any) -> bool:
@@ -137,14 +137,13 @@ class FSDP2Adapter:
         making nothing, when there is no such key, or one does not name a parameter of this
         optimizer or has another shape: the zero-gradient step makes the moments then."""
         assert self.optimizer is not None
-        mine = {
-            n: p for p in (q for g in self.optimizer.param_groups for q in g["params"]) if (n := self._names.get(id(p)))
-        }
+        mine = {self._names[id(p)]: p for g in self.optimizer.param_groups for p in g["params"] if id(p) in self._names}
         made: Dict[Any, Dict[str, torch.Tensor]] = {}
         for c in saved:
-            if not c.key.startswith("optim/"):
+            named = state_key(c.key, "optim")
+            if named is None:
                 continue
-            name, _, k = c.key[len("optim/") :].rpartition("/")
+            name, k = named
             p = mine.get(name)
             if p is None or tuple(c.global_shape) != tuple(p.shape):
                 return False
@@ -181,10 +180,8 @@ class FSDP2Adapter:
                 cur = st.get(k)
                 if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
                     cur.copy_(v)
-                elif isinstance(v, torch.Tensor):  # a copy: the optimizer steps it in place
-                    g = groups_of.get(id(p), {})
-                    on = _local(p).device if g.get("capturable") or g.get("fused") else v.device
-                    st[k] = v.detach().clone().to(on)
+                elif isinstance(v, torch.Tensor):
+                    st[k] = saved_scalar(v, groups_of.get(id(p), {}), _local(p).device)
                 else:
                     st[k] = v
 

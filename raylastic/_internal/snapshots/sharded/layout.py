@@ -172,6 +172,22 @@ def hyper_params(group: Dict[str, Any]) -> Dict[str, Any]:
     return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
 
 
+def state_key(key: str, prefix: str) -> Optional[Tuple[str, str]]:
+    """(parameter name, state name) of an adapter's ``<prefix>/<param>/<state>`` chunk key;
+    None for a key of another kind."""
+    if not key.startswith(prefix + "/"):
+        return None
+    name, _, k = key[len(prefix) + 1 :].rpartition("/")
+    return name, k
+
+
+def saved_scalar(v: torch.Tensor, group: Dict[str, Any], device: torch.device) -> torch.Tensor:
+    """A copy of a saved per-parameter scalar (Adam's ``step``; the optimizer steps it in
+    place), on ``device`` where the group steps there (``capturable``/``fused``), else
+    where it was saved, as a torch optimizer places it."""
+    return v.detach().clone().to(device if group.get("capturable") or group.get("fused") else v.device)
+
+
 def dtype_of(name: str) -> torch.dtype:
     d = getattr(torch, name.replace("torch.", ""), None) if name else torch.float32
     if not isinstance(d, torch.dtype):
@@ -194,6 +210,8 @@ __all__ = [
     "layout_fingerprint",
     "dtype_of",
     "hyper_params",
+    "state_key",
+    "saved_scalar",
     "meta",
     "ROOT",
 ]
