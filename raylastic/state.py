@@ -1,8 +1,7 @@
 """``ElasticState``: training state that survives a node loss without a storage read.
 
 Register what must survive (model, optimizer, LR scheduler, the elastic data loader,
-plain attributes such as ``step``, any object with ``state_dict()`` / ``load_state_dict()``
-given as ``stateful={"name": obj}``) and call :meth:`ElasticState.commit` once per step::
+plain attributes such as ``step``, ``stateful={"name": obj}``) and commit once per step::
 
     state = raylastic.ElasticState(model=model, optimizer=opt, loader=loader, step=0)
     while state.step < total:
@@ -10,24 +9,11 @@ given as ``stateful={"name": obj}``) and call :meth:`ElasticState.commit` once p
         state.step += 1
         state.commit({"loss": loss.item()})     # snapshot + report (+ persist every N steps)
 
-Constructing the state restores into the given objects, in order of preference:
-1. the newest snapshot the surviving workers hold in host memory (a resize or a
-   failure: no storage read; shards some member lacks, and everything for workers that
-   joined, are sent from a holder over the new process group);
-2. the latest committed checkpoint in storage (a fresh cluster, or a node lost together
-   with the node holding the second copy of its shard);
-3. nothing (a fresh start).
-Attributes and ``state_dict()`` s must load back with ``torch.load(weights_only=True)``
-(checked when set and at each commit; ``_internal/state_values.py``).
-
-How, and what it costs (``raylastic/_internal/snapshots/``): replicated models (DDP) copy
-a stripe of the state per rank (``striped=True``), sharded ones (FSDP2 ``fully_shard``,
-DeepSpeed ZeRO 1-3 through ``engine=``) their own shard, which a peer backs up and a
-restore re-partitions for the new world size. The copy overlaps the next step until its
-``optimizer.step()`` (``async_snapshot=True``): do not change parameters in place other
-than through the optimizer in between. A surviving rank gets its RNG streams back from
-its own snapshot. Memory per mode, and ``lean_snapshots``:
-``docs/recovery.md`` and ``docs/sharded.md``.
+Constructing it restores, in order of preference, the newest snapshot the surviving
+workers hold in host memory (no storage read), the latest checkpoint in storage, or
+nothing. This class is the facade; the snapshots themselves live in
+``raylastic/_internal/snapshots/``. The contract (what is saved, the async copy's rule,
+memory per mode, limits): ``docs/recovery.md`` and ``docs/sharded.md``.
 """
 
 from __future__ import annotations
@@ -79,20 +65,17 @@ class ElasticState:
         registry = Registry(attrs)  # (checks the attributes before a session is looked up)
         sess = _session._get_session()
         registry.add_data(sess.data)
-        registry.add_object("lr_scheduler", lr_scheduler)
-        registry.add_object("loader", loader)
-        for name, obj in extra.items():
-            registry.add_object(name, obj, label=f"ElasticState(stateful={{{name!r}: ...}})")
-        object.__setattr__(self, "_registry", registry)
-        object.__setattr__(self, "_attrs", registry.attrs.values)
-        object.__setattr__(self, "_persist_every", persist_every)
-        object.__setattr__(self, "_snapshot_every", snapshot_every)
-        object.__setattr__(self, "restored_from", "none")
-        object.__setattr__(self, "_sess", sess)
-        object.__setattr__(
-            self,
-            "_half",
-            tensor_half(sess, registry, model, optimizer, engine, async_snapshot, striped, lean_snapshots),
+        registry.add_objects({"lr_scheduler": lr_scheduler, "loader": loader}, extra)
+        half = tensor_half(sess, registry, model, optimizer, engine, async_snapshot, striped, lean_snapshots)
+        # (through __dict__: __setattr__ is for the registered attributes)
+        self.__dict__.update(
+            _registry=registry,
+            _attrs=registry.attrs.values,
+            _persist_every=persist_every,
+            _snapshot_every=snapshot_every,
+            restored_from="none",
+            _sess=sess,
+            _half=half,
         )
         self._restore()
 
@@ -122,7 +105,7 @@ class ElasticState:
                 raise SnapshotMismatchError(
                     f"rank {sess.spec.rank}: in-memory snapshot {mem} does not fit: {e}"
                 ) from None
-            object.__setattr__(self, "restored_from", "memory")
+            self.__dict__["restored_from"] = "memory"
             return
         # Snapshots newer than where this attempt resumes are a rolled-back future (and
         # must not be offered to the controller as restore points again).
@@ -136,18 +119,15 @@ class ElasticState:
                 return  # a checkpoint written by the user's own code, not by ElasticState
             half.restore_storage(d, blob)  # (sharded: the per-rank shard files, read while here)
         self._registry.load_plain(blob["plain"], {})
-        object.__setattr__(self, "restored_from", "storage")
+        self.__dict__["restored_from"] = "storage"
 
     # -- commit --------------------------------------------------------------------
     def commit(self, metrics: Optional[Dict[str, Any]] = None) -> None:
         """Snapshot this step's state and report ``metrics`` (default ``attrs``).
 
-        The copy starts now, into recycled buffers, and (``async_snapshot``) overlaps the
-        next step until its ``optimizer.step()``; with ``snapshot_every=k`` only every
-        k-th commit copies (an unannounced loss then redoes up to k steps, for 1/k of the
-        copy cost). Every ``persist_every`` commits (or
-        ``CheckpointConfig.persist_every``), rank 0 also writes the snapshot to storage,
-        off the training path.
+        The copy goes into recycled buffers and overlaps the next step until its
+        ``optimizer.step()``; ``snapshot_every=k`` copies every k-th commit only, and every
+        ``persist_every``-th one rank 0 also writes to storage, off the training path.
         """
         sess, half = self._sess, self._half
         index = sess.current_index() + 1

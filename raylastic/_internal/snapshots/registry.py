@@ -145,11 +145,13 @@ class Registry:
         if obj is not None:
             self.tensors[name] = obj
 
-    def add_object(self, name: str, obj: Optional[Stateful], label: Optional[str] = None) -> None:
-        if obj is not None:
+    def add_objects(self, named: Mapping[str, Optional[Stateful]], stateful: Mapping[str, Stateful]) -> None:
+        """``named``: the keyword arguments (``lr_scheduler``, ``loader``); ``stateful``:
+        ``ElasticState(stateful=...)``'s objects, which errors name by that argument."""
+        self.objects.update({k: o for k, o in named.items() if o is not None})
+        for name, obj in stateful.items():
             self.objects[name] = obj
-            if label is not None:
-                self._labels[name] = label
+            self._labels[name] = f"ElasticState(stateful={{{name!r}: ...}})"
 
     def plain(self) -> Dict[str, Any]:
         """The snapshot's plain part, checked to load back with ``weights_only=True``."""
