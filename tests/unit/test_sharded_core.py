@@ -191,8 +191,23 @@ def _phase(rank, world, phase, d):
             return out
 
         if phase == "memory":  # old shard s held by new rank s; rank 2 holds a copy of shard 1, rank 0 none
-            plain = reshard_from_memory(Transport.training(), targets_for, layout if held else None, held,
+            class Counting(Transport):
+                received = 0
+
+                def recv(self, buf, src, tag):
+                    self.received += buf.numel()
+                    return super().recv(buf, src, tag)
+
+            transport = Counting.training()
+            plain = reshard_from_memory(transport, targets_for, layout if held else None, held,
                                           old[0]["plain"] if held else None)
+            # What moves is what a rank lacks, and only the box of each old piece it needs:
+            # rank 2 holds both old shards; rank 0 holds none and gets exactly its pieces
+            # (a third of each parameter and moment, and the step counters), not the half
+            # of each that old shard 0 holds.
+            want = sum(c.numel() for c, _t in ad.live_chunks())
+            assert transport.received == {0: want, 2: 0}.get(rank, transport.received), (rank, transport.received, want)
+            assert rank != 1 or 0 < transport.received < want, (transport.received, want)
         else:
             fill_from_files(targets_for([c for cs in layout.values() for c in cs]), old)
             plain = old[0]["plain"]

@@ -18,6 +18,35 @@ def _fill_targets(targets: Sequence[Piece], pieces: Sequence[Piece], counts: Lis
         counts[i] += fill(c, t, pieces)
 
 
+def _box(c: Chunk, wanted: Sequence[Chunk]) -> Optional[Tuple[slice, ...]]:
+    """The smallest box of old piece ``c`` that holds its every overlap with ``wanted``
+    (one rank's pieces in the new layout); None when none overlaps. What moves is this box,
+    not the whole piece: a rank growing from 2 to 3 pieces of a tensor needs a third of
+    it, and the old pieces it overlaps hold two thirds."""
+    lo: List[int] = []
+    hi: List[int] = []
+    for w in wanted:
+        if w.key != c.key:
+            continue
+        if c.global_shape == ():
+            return ()
+        ov = overlap(c, w)
+        if ov is None:
+            continue
+        if not lo:
+            lo, hi = [s.start for s in ov[0]], [s.stop for s in ov[0]]
+        else:
+            lo = [min(a, s.start) for a, s in zip(lo, ov[0])]
+            hi = [max(b, s.stop) for b, s in zip(hi, ov[0])]
+    return tuple(slice(a, b) for a, b in zip(lo, hi)) if lo else None
+
+
+def _sub(c: Chunk, box: Tuple[slice, ...]) -> Chunk:
+    """The chunk of box ``box`` of piece ``c``."""
+    offsets = tuple(o + b.start for o, b in zip(c.offsets, box))
+    return Chunk(c.key, c.global_shape, offsets, tuple(b.stop - b.start for b in box), c.dtype)
+
+
 def reshard_from_memory(
     transport: Transport,
     make_targets: Callable[[List[Chunk]], Sequence[Piece]],
@@ -65,30 +94,30 @@ def reshard_from_memory(
     counts = [0] * len(targets)
     seen = set()
     for s in sorted(old):
-        h = holder[s]
+        # Every rank holding old shard s fills from its own copy; the lowest of them sends
+        # the others the box of each piece they need.
+        h, local = holder[s], {q for q, e in enumerate(everyone) if s in e["held"]}
         works, received = [], []
         for j, c in enumerate(old[s]):
             dedupe = (c.key, c.offsets, c.sizes)
             if dedupe in seen:
                 continue  # a replicated piece already placed from an earlier shard
             seen.add(dedupe)
-            need = [
-                q
-                for q in range(world)
-                if any(w.key == c.key and (w.global_shape == () or overlap(w, c)) for w in wants[q])
-            ]
-            if rank == h:
-                t = held[s][j]
-                if rank in need:
-                    _fill_targets(targets, [(c, t)], counts)
-                for q in need:
-                    if q != rank and c.numel():
-                        works.append(transport.send(t, q, j))
-            elif rank in need:
-                buf = torch.empty(c.sizes, dtype=dtype_of(c.dtype))
+            boxes = [_box(c, wants[q]) for q in range(world)]
+            if rank in local:
+                if boxes[rank] is not None:
+                    _fill_targets(targets, [(c, held[s][j])], counts)
+                if rank == h and c.numel():
+                    t = held[s][j]
+                    works += [
+                        transport.send(t[b], q, j) for q, b in enumerate(boxes) if b is not None and q not in local
+                    ]
+            elif boxes[rank] is not None:
+                sub = _sub(c, boxes[rank])
+                buf = torch.empty(sub.sizes, dtype=dtype_of(c.dtype))
                 if c.numel():
                     works.append(transport.recv(buf, h, j))
-                received.append((c, buf))
+                received.append((sub, buf))
         transport.wait(works)
         _fill_targets(targets, received, counts)
     short = [(c.key, n, c.numel()) for (c, _t), n in zip(targets, counts) if n < c.numel()]
