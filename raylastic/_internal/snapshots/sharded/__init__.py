@@ -20,10 +20,10 @@ up with the ranks (3 shards of a weight become 2 of other sizes). So:
 * Restoring (``reshard.reshard_from_memory``) is a collective over the new group: every rank
   learns the old layout from the holders and asks for the boxes of its *new* layout
   (``restore_targets``: an empty optimizer's moments are made from the old layout's keys,
-  not by a zero-gradient step, which took half of a ~1 s restore); for each old shard, its
-  lowest holder sends each piece to the ranks whose new boxes overlap it (point to
-  point, one old shard in flight at a time), and :func:`fill` copies the overlaps in
-  place. Storage restores read the same pieces from per-rank files (memory-mapped: only
+  not by a zero-gradient step, which took half of a ~1 s restore); for each old shard,
+  its holders copy from their own copy, and its lowest holder sends each other rank the
+  box of each piece its new boxes overlap (point to point, one old shard in flight at a
+  time), and :func:`fill` copies the overlaps in place. Storage restores read the same pieces from per-rank files (memory-mapped: only
   the overlapping bytes are read).
 
 Modules: ``layout`` (chunks and the overlap arithmetic, pure), ``reshard`` (filling a
