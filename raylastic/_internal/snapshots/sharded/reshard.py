@@ -13,9 +13,24 @@ from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, check_fit
 from raylastic._internal.snapshots.transport import Transport
 
 
-def _fill_targets(targets: Sequence[Piece], pieces: Sequence[Piece], counts: List[int]) -> None:
-    for i, (c, t) in enumerate(targets):
-        counts[i] += fill(c, t, pieces)
+def _by_key(targets: Sequence[Piece]) -> Dict[str, List[int]]:
+    """The indices of ``targets``, by tensor."""
+    out: Dict[str, List[int]] = {}
+    for i, (c, _t) in enumerate(targets):
+        out.setdefault(c.key, []).append(i)
+    return out
+
+
+def _fill_targets(
+    targets: Sequence[Piece], index: Dict[str, List[int]], pieces: Sequence[Piece], counts: List[int]
+) -> None:
+    """Copy the overlaps of ``pieces`` into ``targets`` (``index``: :func:`_by_key`),
+    counting the elements written per target; a piece is compared with the targets of its
+    own tensor only (a model of thousands of tensors must not pay pieces x targets)."""
+    for piece in pieces:
+        for i in index.get(piece[0].key, ()):
+            c, t = targets[i]
+            counts[i] += fill(c, t, [piece])
 
 
 def _box(c: Chunk, wanted: Sequence[Chunk]) -> Optional[Tuple[slice, ...]]:
@@ -91,7 +106,11 @@ def reshard_from_memory(
     wants = [[Chunk.of(t) for t in cs] for _err, cs in got]
     check_fits([c for cs in old.values() for c in cs], [c for cs in wants for c in cs])  # (on every rank alike)
     holder = {s: min(q for q, e in enumerate(everyone) if s in e["held"]) for s in old}
-    counts = [0] * len(targets)
+    by_key: List[Dict[str, List[Chunk]]] = [{} for _ in range(world)]  # each rank's new pieces by tensor
+    for q, cs in enumerate(wants):
+        for c in cs:
+            by_key[q].setdefault(c.key, []).append(c)
+    counts, index = [0] * len(targets), _by_key(targets)
     seen = set()
     for s in sorted(old):
         # Every rank holding old shard s fills from its own copy; the lowest of them sends
@@ -103,23 +122,24 @@ def reshard_from_memory(
             if dedupe in seen:
                 continue  # a replicated piece already placed from an earlier shard
             seen.add(dedupe)
-            boxes = [_box(c, wants[q]) for q in range(world)]
+            boxes = [_box(c, by_key[q].get(c.key, ())) for q in range(world)]
+            own_box = boxes[rank]
             if rank in local:
-                if boxes[rank] is not None:
-                    _fill_targets(targets, [(c, held[s][j])], counts)
+                if own_box is not None:
+                    _fill_targets(targets, index, [(c, held[s][j])], counts)
                 if rank == h and c.numel():
                     t = held[s][j]
                     works += [
                         transport.send(t[b], q, j) for q, b in enumerate(boxes) if b is not None and q not in local
                     ]
-            elif boxes[rank] is not None:
-                sub = _sub(c, boxes[rank])
+            elif own_box is not None:
+                sub = _sub(c, own_box)
                 buf = torch.empty(sub.sizes, dtype=dtype_of(c.dtype))
                 if c.numel():
                     works.append(transport.recv(buf, h, j))
                 received.append((sub, buf))
         transport.wait(works)
-        _fill_targets(targets, received, counts)
+        _fill_targets(targets, index, received, counts)
     short = [(c.key, n, c.numel()) for (c, _t), n in zip(targets, counts) if n < c.numel()]
     if short:  # cannot happen after check_fits; a guard against silent partial loads
         raise RuntimeError(f"rank {rank}: pieces not filled after the re-partition: {short[:3]}")
@@ -138,7 +158,7 @@ def fill_from_files(
     check_fits(
         [c for cs in old.values() for c in cs], list(everyone) if everyone is not None else [c for c, _t in targets]
     )
-    counts = [0] * len(targets)
+    counts, index = [0] * len(targets), _by_key(targets)
     seen = set()
     for s in sorted(old):
         pieces = []
@@ -147,7 +167,7 @@ def fill_from_files(
             if k not in seen:
                 seen.add(k)
                 pieces.append((c, t))
-        _fill_targets(targets, pieces, counts)
+        _fill_targets(targets, index, pieces, counts)
 
 
 __all__ = ["reshard_from_memory", "fill_from_files"]
