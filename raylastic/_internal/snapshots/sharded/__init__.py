@@ -23,8 +23,8 @@ up with the ranks (3 shards of a weight become 2 of other sizes). So:
   not by a zero-gradient step, which took half of a ~1 s restore); for each old shard,
   its holders copy from their own copy, and its lowest holder sends each other rank the
   box of each piece its new boxes overlap (point to point, one old shard in flight at a
-  time), and :func:`fill` copies the overlaps in place. Storage restores read the same pieces from per-rank files (memory-mapped: only
-  the overlapping bytes are read).
+  time), and :func:`fill` copies the overlaps in place. Storage restores read the same
+  pieces from per-rank files (memory-mapped: only the overlapping bytes are read).
 
 Modules: ``layout`` (chunks and the overlap arithmetic, pure), ``reshard`` (filling a
 new layout from old shards: in memory over the group, or from files), ``fsdp2`` and

@@ -13,10 +13,10 @@ from raylastic._internal.snapshots.sharded.layout import Chunk, Piece, check_fit
 from raylastic._internal.snapshots.transport import Transport
 
 
-def _by_key(targets: Sequence[Piece]) -> Dict[str, List[int]]:
-    """The indices of ``targets``, by tensor."""
+def _by_key(chunks: Sequence[Chunk]) -> Dict[str, List[int]]:
+    """The indices of ``chunks``, by tensor."""
     out: Dict[str, List[int]] = {}
-    for i, (c, _t) in enumerate(targets):
+    for i, c in enumerate(chunks):
         out.setdefault(c.key, []).append(i)
     return out
 
@@ -35,16 +35,14 @@ def _fill_targets(
 
 def _box(c: Chunk, wanted: Sequence[Chunk]) -> Optional[Tuple[slice, ...]]:
     """The smallest box of old piece ``c`` that holds its every overlap with ``wanted``
-    (one rank's pieces in the new layout); None when none overlaps. What moves is this box,
-    not the whole piece: a rank growing from 2 to 3 pieces of a tensor needs a third of
-    it, and the old pieces it overlaps hold two thirds."""
+    (one rank's pieces of the same tensor in the new layout); None when none overlaps.
+    What moves is this box, not the whole piece: a rank growing from 2 to 3 pieces of a
+    tensor needs a third of it, and the old pieces it overlaps hold two thirds."""
+    if wanted and c.global_shape == ():
+        return ()
     lo: List[int] = []
     hi: List[int] = []
     for w in wanted:
-        if w.key != c.key:
-            continue
-        if c.global_shape == ():
-            return ()
         ov = overlap(c, w)
         if ov is None:
             continue
@@ -105,24 +103,21 @@ def reshard_from_memory(
         raise RuntimeError(f"the restore stopped: {failed[0]}")
     wants = [[Chunk.of(t) for t in cs] for _err, cs in got]
     check_fits([c for cs in old.values() for c in cs], [c for cs in wants for c in cs])  # (on every rank alike)
-    holder = {s: min(q for q, e in enumerate(everyone) if s in e["held"]) for s in old}
-    by_key: List[Dict[str, List[Chunk]]] = [{} for _ in range(world)]  # each rank's new pieces by tensor
-    for q, cs in enumerate(wants):
-        for c in cs:
-            by_key[q].setdefault(c.key, []).append(c)
-    counts, index = [0] * len(targets), _by_key(targets)
+    by_key = [_by_key(cs) for cs in wants]  # (this rank's: its targets', in their order)
+    counts, index = [0] * len(targets), by_key[rank]
     seen = set()
     for s in sorted(old):
         # Every rank holding old shard s fills from its own copy; the lowest of them sends
         # the others the box of each piece they need.
-        h, local = holder[s], {q for q, e in enumerate(everyone) if s in e["held"]}
+        local = {q for q, e in enumerate(everyone) if s in e["held"]}
+        h = min(local)
         works, received = [], []
         for j, c in enumerate(old[s]):
             dedupe = (c.key, c.offsets, c.sizes)
             if dedupe in seen:
                 continue  # a replicated piece already placed from an earlier shard
             seen.add(dedupe)
-            boxes = [_box(c, by_key[q].get(c.key, ())) for q in range(world)]
+            boxes = [_box(c, [wants[q][i] for i in by_key[q].get(c.key, ())]) for q in range(world)]
             own_box = boxes[rank]
             if rank in local:
                 if own_box is not None:
@@ -158,7 +153,7 @@ def fill_from_files(
     check_fits(
         [c for cs in old.values() for c in cs], list(everyone) if everyone is not None else [c for c, _t in targets]
     )
-    counts, index = [0] * len(targets), _by_key(targets)
+    counts, index = [0] * len(targets), _by_key([c for c, _t in targets])
     seen = set()
     for s in sorted(old):
         pieces = []
