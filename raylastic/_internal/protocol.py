@@ -24,7 +24,7 @@ from raylastic._internal.snapshots.placement import Holding
 
 # Bump when a type below changes shape: workers report it in ``WorkerInfo`` and the pool
 # refuses a worker whose version differs from the controller's.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class WorkerInfo(TypedDict):
@@ -54,7 +54,9 @@ class ExportedShards(TypedDict):
     (``TrainWorker.export_snapshot`` -> ``merge_snapshot``)."""
 
     holding: Holding
-    leaves: Dict[int, Any]  # leaf position -> tensor
+    # A Ray ObjectRef of {leaf position: tensor}, put by the exporting worker under its
+    # store's lock (a returned tensor would be serialised after its buffer may be reused).
+    leaves: Any
 
 
 @dataclass(frozen=True)

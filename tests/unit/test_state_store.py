@@ -247,3 +247,37 @@ def test_peer_shards_still_arriving_are_counted_in_snapshot_bytes():
         assert snap.done.is_set() and snap.tensors["sharded"][1][0].tolist() == [float(index)] * 6
     assert on_the_wire == [2, 4, 4, 4]  # without the receive buffers: [1, 3, 3, 3]
     assert merged == [2, 4, 4, 4]
+
+
+def test_a_read_for_the_controller_holds_off_a_commit_that_would_reuse_the_buffers():
+    """The controller reads a worker's snapshot (``export_snapshot``, ``persist_snapshot``)
+    from another actor thread than the train thread, whose next commit recycles the oldest
+    snapshot's buffers. ``SnapshotStore.read`` holds the store's lock while it copies, so
+    the recycle (here: overwriting the buffer at once, as a commit does) waits for it and the
+    copy is never torn. Without the lock the overwrite lands within the read's wait."""
+    st = SnapshotStore(keep=2)
+    for i in (2, 3):
+        s = _snap(i)
+        s.tensors = {"model": {"w": torch.full((4,), float(i))}}
+        st.add("r", s)
+    entered, recycled, copies = threading.Event(), threading.Event(), []
+
+    def read(snap):
+        entered.set()
+        recycled.wait(0.5)  # set at once when nothing holds the recycle off
+        copies.append(snap.tensors["model"]["w"].clone())
+
+    def commit():
+        assert entered.wait(10)
+        old = st.recycle("r")
+        old.tensors["model"]["w"].fill_(-1.0)  # the next capture reuses the buffer
+        recycled.set()
+
+    t = threading.Thread(target=commit)
+    t.start()
+    st.read("r", 2, read)
+    assert recycled.wait(10)
+    t.join(10)
+    assert torch.equal(copies[0], torch.full((4,), 2.0)), copies[0]
+    with pytest.raises(RuntimeError, match="no complete in-memory snapshot 2"):
+        st.read("r", 2, read)  # recycled since

@@ -12,13 +12,15 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 
 from raylastic._internal.snapshots.capture import leaves, map_leaves, nbytes
 from raylastic._internal.snapshots.persist import save_whole
 from raylastic._internal.snapshots.placement import WHOLE, Holding, is_whole, union
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -180,6 +182,21 @@ class SnapshotStore:
                 if s.index == index and s.complete.is_set():
                     return s
         return None
+
+    def read(self, run: str, index: int, fn: Callable[[Snapshot], T]) -> T:
+        """``fn(snapshot)`` for the complete snapshot ``index``, under the store's lock.
+
+        Why the lock: the controller reads a worker's snapshot from another thread of the
+        actor (to move a leaving or stuck worker's shards, or to persist them), and a commit
+        of the worker's own train thread meanwhile could recycle, lend or drop the buffers
+        being read: a torn copy. Every path that hands buffers back for reuse takes this
+        lock, so ``fn`` must finish its copy before it returns (``ray.put``, ``torch.save``);
+        a commit waits for it. Rare and off the steady training path."""
+        with self._lock:
+            snap = next((s for s in self._snaps if self.run == run and s.index == index and s.complete.is_set()), None)
+            if snap is None:
+                raise RuntimeError(f"no complete in-memory snapshot {index} here")
+            return fn(snap)
 
     def drop_after(self, run: str, index: int) -> None:
         """Forget snapshots newer than the restore point (a rolled-back future)."""

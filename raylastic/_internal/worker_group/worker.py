@@ -78,6 +78,9 @@ def _route_ray_train(sess: Session) -> None:
 # Seconds a worker waits before joining a process group (fault injection, tests only: see
 # raylastic.testing.faults.slow_joins). Read from the worker's environment.
 JOIN_DELAY_ENV = "RAYLASTIC_TESTING_JOIN_DELAY_S"
+# Seconds ``merge_snapshot`` waits for the exported shards, as the controller waits for the
+# merge (JOIN_TIMEOUT_S): frees the actor thread when the exporter died meanwhile.
+MERGE_FETCH_TIMEOUT_S = 30.0
 
 
 class TrainWorker:
@@ -283,11 +286,10 @@ class TrainWorker:
     def persist_snapshot(self, index: int, epoch: int) -> PersistedSnapshot:
         """Write the in-memory snapshot ``index`` to storage now (this worker's node is
         going away and no other worker holds the state). Returns where and what."""
-        snap = self._snapshot(index)
         rel = checkpoint_rel(self._run_rel, index, epoch)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as d:
-            snap.save(d)
+            _store().read(self._run_rel, index, lambda snap: snap.save(d))  # see SnapshotStore.read
             files = [list(f) for f in checksum_tree(d)]
             self._storage.upload_dir(d, rel)
         return PersistedSnapshot(rel=rel, files=files, upload_s=time.perf_counter() - start)
@@ -300,22 +302,22 @@ class TrainWorker:
 
     def export_snapshot(self, index: int) -> ExportedShards:
         """The tensors of in-memory snapshot ``index`` this worker holds (by position),
-        for another worker to merge (its node is going away, or it is stuck)."""
+        for another worker to merge (its node is going away, or it is stuck). They are put
+        in Ray's object store here, under the store's lock (``SnapshotStore.read``): Ray
+        would serialise a returned tensor only after this call, when a commit of this
+        worker's own train thread (one that came unstuck) may be reusing its buffer."""
         from raylastic._internal.snapshots.capture import held_leaves
 
-        snap = self._snapshot(index)
-        return {"holding": snap.holding, "leaves": held_leaves(snap.tensors)}
+        def put(snap: Any) -> ExportedShards:
+            return {"holding": snap.holding, "leaves": ray.put(held_leaves(snap.tensors))}
 
-    def _snapshot(self, index: int):
-        snap = _store().get(self._run_rel, index)
-        if snap is None:
-            raise RuntimeError(f"no complete in-memory snapshot {index} here")
-        return snap
+        return _store().read(self._run_rel, index, put)
 
     def merge_snapshot(self, index: int, exported: ExportedShards) -> Holding:
         """Add another worker's shards of snapshot ``index`` to this worker's copy.
         Returns what it holds now (``WHOLE`` once it has all of it)."""
-        return _store().merge(self._run_rel, index, exported["holding"], exported["leaves"])
+        leaves = ray.get(exported["leaves"], timeout=MERGE_FETCH_TIMEOUT_S)
+        return _store().merge(self._run_rel, index, exported["holding"], leaves)
 
     def _finish_uploads(self, sess: Session) -> None:
         """Training ended: the last checkpoint must reach storage before we say so."""
