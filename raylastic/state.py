@@ -68,15 +68,8 @@ class ElasticState:
         registry.add_objects({"lr_scheduler": lr_scheduler, "loader": loader}, extra)
         half = tensor_half(sess, registry, model, optimizer, engine, async_snapshot, striped, lean_snapshots)
         # (through __dict__: __setattr__ is for the registered attributes)
-        self.__dict__.update(
-            _registry=registry,
-            _attrs=registry.attrs.values,
-            _persist_every=persist_every,
-            _snapshot_every=snapshot_every,
-            restored_from="none",
-            _sess=sess,
-            _half=half,
-        )
+        self.__dict__.update(_registry=registry, _attrs=registry.attrs.values, _sess=sess, _half=half)
+        self.__dict__.update(_persist_every=persist_every, _snapshot_every=snapshot_every, restored_from="none")
         self._restore()
 
     # -- plain attributes ----------------------------------------------------------
