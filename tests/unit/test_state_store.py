@@ -281,3 +281,30 @@ def test_a_read_for_the_controller_holds_off_a_commit_that_would_reuse_the_buffe
     assert torch.equal(copies[0], torch.full((4,), 2.0)), copies[0]
     with pytest.raises(RuntimeError, match="no complete in-memory snapshot 2"):
         st.read("r", 2, read)  # recycled since
+
+
+def test_a_persisted_shard_is_written_once_copied_not_after_its_peer_copies(tmp_path):
+    """A sharded snapshot is complete once the rank's own shard is copied; its peer copies
+    follow, and one to a peer whose node was lost waits for the side group's timeout. The
+    upload thread writes the own shard without waiting for them (it waited, and a graceful
+    stop waited for the upload: a ZeRO-3 survivor was replaced after 57 s). A copy that
+    failed is refused."""
+    from raylastic._internal.snapshots.persist import shard_file, shard_writer
+
+    snap = Snapshot(index=6, plain={"sharded": {"layout": {0: [("w", 0, 3)], 1: [("w", 3, 3)]}}})
+    snap.tensors = {"sharded": {0: [torch.ones(3)], 1: [torch.empty(3, device="meta")]}}
+    snap.complete.set()  # the own shard is in host memory; the peer copy never ends here
+    write = shard_writer(snap, 0, "sharded", with_plain=False)
+    t = threading.Thread(target=write, args=(str(tmp_path),), daemon=True)
+    t.start()
+    t.join(10)
+    alive = t.is_alive()
+    snap.done.set()  # (lets a writer that waited for it end)
+    assert not alive, "the writer waited for the peer copies"
+    saved = torch.load(tmp_path / shard_file(0), weights_only=True)
+    assert torch.equal(saved["tensors"][0], torch.ones(3)) and snap.pins == 0
+
+    failed = Snapshot(index=7, plain=snap.plain, tensors=snap.tensors, error=OSError("copy failed"))
+    failed.done.set()  # over, without the own shard
+    with pytest.raises(RuntimeError, match="snapshot 7 was not copied: copy failed"):
+        shard_writer(failed, 0, "sharded", with_plain=False)(str(tmp_path / "x"))
