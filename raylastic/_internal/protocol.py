@@ -135,6 +135,9 @@ class PollResult:
     index: int = 0
     return_value: Any = None
     holdings: Holdings = field(default_factory=Holdings)
+    # Which of worker_group/warm_imports.SLOW_IMPORTS the worker has imported: the pool's
+    # new workers import them before they count as ready.
+    imported: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

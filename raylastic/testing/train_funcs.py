@@ -5,7 +5,9 @@ They are in an importable module (not a test file) so Ray workers can unpickle t
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import tempfile
 import time
 from typing import Any, Dict
@@ -28,7 +30,9 @@ def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
     waits at that step for a message rank 1 never sends, i.e. it is blocked in a gloo
     operation that only the group timeout or an abort ends, while the others block in
     the next all-reduce), hang_rank0_at (None: in the first group only, rank 0 hangs at
-    that step in its own code, outside any collective, where no abort reaches it).
+    that step in its own code, outside any collective, where no abort reaches it),
+    start_log (None: a file each rank appends a line to as the function starts: its
+    membership epoch, rank, pid and whether torch._dynamo was imported already).
     """
     total = int(config.get("total_steps", 20))
     every = int(config.get("checkpoint_every", 1))
@@ -37,6 +41,15 @@ def ddp_regression(config: Dict[str, Any]) -> Dict[str, Any]:
     dim = int(config.get("dim", 8))
     ctx = raylastic.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if config.get("start_log"):
+        line = {
+            "epoch": ctx.get_membership_epoch(),
+            "rank": rank,
+            "pid": os.getpid(),
+            "dynamo": "torch._dynamo" in sys.modules,
+        }
+        with open(config["start_log"], "a") as f:
+            f.write(json.dumps(line) + "\n")
     torch.manual_seed(int(config.get("seed", 0)))
     device = torch.device("cuda", torch.cuda.current_device()) if config.get("cuda") else torch.device("cpu")
     model = nn.Linear(dim, 1).to(device)

@@ -5,6 +5,7 @@ remove nodes put them back. Faults land at report indices read from the run's ow
 files; every wait is bounded.
 """
 
+import json
 import os
 import signal
 import time
@@ -42,7 +43,9 @@ def _actor_count():
 
 def test_node_loss_shrinks_then_grows_back_and_resumes(local_cluster, restore_nodes, run_dir):
     regrown = os.path.join(run_dir, "loss-regrown")  # the group of 3 after it does not sleep (pace.py)
-    cfg = {"total_steps": 150, "checkpoint_every": 5, "step_sleep_s": 0.05, "regrown_flag": regrown}
+    starts = os.path.join(run_dir, "loss-starts.jsonl")
+    cfg = {"total_steps": 150, "checkpoint_every": 5, "step_sleep_s": 0.05, "regrown_flag": regrown,
+           "start_log": starts}
     trainer = _trainer(run_dir, "loss", cfg, checkpoint_config=CheckpointConfig(num_to_keep=3))
     th = FitThread(trainer)
     th.start()
@@ -76,6 +79,15 @@ def test_node_loss_shrinks_then_grows_back_and_resumes(local_cluster, restore_no
     formed = [e for e in events if e["kind"] == "group_formed"]
     assert set(formed[1]["nodes"]) < set(formed[0]["nodes"])
     assert killed not in formed[2]["nodes"]
+    # The worker added at the scale-up imported torch._dynamo (which every optimizer's
+    # constructor imports: 1.3 s) before it was ready, as the survivors had, not with the
+    # group waiting for its first step (warm_imports.py).
+    with open(starts) as f:
+        lines = [json.loads(x) for x in f]
+    last = max(x["epoch"] for x in lines)
+    earlier = {x["pid"] for x in lines if x["epoch"] < last}
+    added = [x for x in lines if x["epoch"] == last and x["pid"] not in earlier]
+    assert added and all(x["dynamo"] for x in added), lines
 
 
 def test_survivors_stuck_in_a_collective_are_freed_by_the_abort_and_reused(

@@ -260,6 +260,7 @@ class WorkerGroup(StopCalls):
                 batch.results[m.wid] = r = ray.get(ref)
                 self._unavailable_since.pop(m.wid, None)
                 m.update_holdings(r.holdings)
+                self.pool.warm_imports.update(r.imported)
             except ActorUnavailableError:
                 self._count_silence(m, now, batch)
             except RayActorError as e:

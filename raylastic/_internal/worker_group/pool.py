@@ -97,6 +97,9 @@ class WorkerPool:
         self._resources = dict(resources)
         self._use_gpu = use_gpu
         self._init_args = (storage, run_rel, run_name, async_upload, persist_every)
+        # Slow imports the members' train functions made (warm_imports.py): new workers
+        # make them before they count as ready, not while the group waits for them.
+        self.warm_imports: Set[str] = set()
         # Workers come from (and at the end go back to) the driver's keeper when the run
         # keeps them (ScalingConfig.keep_workers_s; keeper.py), else the pool creates them.
         self._keep_s = keep_s
@@ -162,7 +165,7 @@ class WorkerPool:
                 # A kept worker (of an earlier run) serves this one from now on: rebind
                 # answers with its info, so nothing reaches it before that (a threaded
                 # actor's calls may run out of order).
-                info_ref = actor.rebind.remote(*self._init_args) if kept else actor.info.remote()
+                info_ref = actor.rebind.remote(*self._args()) if kept else actor.info.remote()
                 self.workers[wid] = WorkerHandle(wid, actor, info_ref, time.monotonic(), node_type=node_type)
                 n += 1
         return n
@@ -173,7 +176,7 @@ class WorkerPool:
         if self._keeper is not None:
             try:
                 return ray.get(
-                    self._keeper.lease.remote(_options_key(options), options, self._init_args, n), timeout=KEEPER_CALL_S
+                    self._keeper.lease.remote(_options_key(options), options, self._args(), n), timeout=KEEPER_CALL_S
                 )
             except Exception as e:  # noqa: BLE001 - the keeper is a shortcut, never a failure
                 logger.warning("the worker keeper did not answer (%s); starting workers here", e)
@@ -183,7 +186,11 @@ class WorkerPool:
         from raylastic._internal.worker_group.worker import TrainWorker
 
         cls = ray.remote(TrainWorker).options(**options)
-        return [(cls.remote(*self._init_args), False) for _ in range(n)]
+        return [(cls.remote(*self._args()), False) for _ in range(n)]
+
+    def _args(self) -> Tuple[Any, ...]:
+        """``TrainWorker``'s (and ``rebind``'s) arguments."""
+        return (*self._init_args, tuple(sorted(self.warm_imports)))
 
     def refresh(self) -> List[WorkerHandle]:
         """Collect actors that became ready; drop ones that died before that."""

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import ray
 
@@ -33,6 +33,7 @@ from raylastic.policies.node_types import MARKET_LABEL, NODE_TYPE_LABEL, RESOURC
 from raylastic.session import GroupSpec, RestoreInfo, Session, StopTraining, checkpoint_rel
 from raylastic._internal.snapshots.placement import Holding
 from raylastic._internal.protocol import PROTOCOL_VERSION, ExportedShards, StoreAddress, WorkerInfo
+from raylastic._internal.worker_group import warm_imports
 from raylastic._internal.worker_group.train_thread import TrainThread
 from raylastic._internal.worker_group.results import (
     Holdings,
@@ -87,9 +88,17 @@ class TrainWorker:
     """Ray actor body (wrapped with ``ray.remote`` by the worker group)."""
 
     def __init__(
-        self, storage, run_rel: str, run_name: str, async_upload: bool = True, persist_every: Optional[int] = None
+        self,
+        storage,
+        run_rel: str,
+        run_name: str,
+        async_upload: bool = True,
+        persist_every: Optional[int] = None,
+        warm: Tuple[str, ...] = (),
     ):
         import torch  # noqa: F401 - pay the import once per process, not per attempt
+
+        warm_imports.warm(warm)  # what the running workers' train functions imported (before ready)
 
         ray_train_routes.route_on_import()  # before any train function is unpickled here
 
@@ -103,11 +112,18 @@ class TrainWorker:
 
     # -- the run it serves ---------------------------------------------------------
     def rebind(
-        self, storage, run_rel: str, run_name: str, async_upload: bool = True, persist_every: Optional[int] = None
+        self,
+        storage,
+        run_rel: str,
+        run_name: str,
+        async_upload: bool = True,
+        persist_every: Optional[int] = None,
+        warm: Tuple[str, ...] = (),
     ) -> WorkerInfo:
         """A kept worker (``ScalingConfig.keep_workers_s``), released by the run before,
         serves run ``run_rel`` from now on. Answers ``info()``, so that the controller's
         first call follows it (a threaded actor's calls may run out of order)."""
+        warm_imports.warm(warm)
         self._bind(storage, run_rel, run_name, async_upload, persist_every)
         return self.info()
 
@@ -337,6 +353,7 @@ class TrainWorker:
                 index=sess.current_index() if sess else 0,
                 return_value=self._return_value if self._status == WorkerStatus.FINISHED else None,
                 holdings=self.holdings(),
+                imported=warm_imports.imported(),
             )
 
     def request_stop_at(self, index: int) -> StopAnswer:
