@@ -82,6 +82,7 @@ JOIN_DELAY_ENV = "RAYLASTIC_TESTING_JOIN_DELAY_S"
 # Seconds ``merge_snapshot`` waits for the exported shards, as the controller waits for the
 # merge (JOIN_TIMEOUT_S): frees the actor thread when the exporter died meanwhile.
 MERGE_FETCH_TIMEOUT_S = 30.0
+Warm = Tuple[str, ...]  # slow imports to make before the worker is ready (warm_imports.py)
 
 
 class TrainWorker:
@@ -94,11 +95,9 @@ class TrainWorker:
         run_name: str,
         async_upload: bool = True,
         persist_every: Optional[int] = None,
-        warm: Tuple[str, ...] = (),
+        warm: Warm = (),
     ):
         import torch  # noqa: F401 - pay the import once per process, not per attempt
-
-        warm_imports.warm(warm)  # what the running workers' train functions imported (before ready)
 
         ray_train_routes.route_on_import()  # before any train function is unpickled here
 
@@ -108,28 +107,23 @@ class TrainWorker:
         self._notice_watcher = start_preemption_watcher()
         self._lock = threading.Lock()
         self._train = TrainThread("raylastic-train")
-        self._bind(storage, run_rel, run_name, async_upload, persist_every)
+        self._bind(storage, run_rel, run_name, async_upload, persist_every, warm)
 
     # -- the run it serves ---------------------------------------------------------
-    def rebind(
-        self,
-        storage,
-        run_rel: str,
-        run_name: str,
-        async_upload: bool = True,
-        persist_every: Optional[int] = None,
-        warm: Tuple[str, ...] = (),
-    ) -> WorkerInfo:
+    def rebind(self, *args: Any) -> WorkerInfo:
         """A kept worker (``ScalingConfig.keep_workers_s``), released by the run before,
-        serves run ``run_rel`` from now on. Answers ``info()``, so that the controller's
-        first call follows it (a threaded actor's calls may run out of order)."""
-        warm_imports.warm(warm)
-        self._bind(storage, run_rel, run_name, async_upload, persist_every)
+        serves another run from now on (``args``: the constructor's). Answers ``info()``,
+        so that the controller's first call follows it (a threaded actor's calls may run
+        out of order)."""
+        self._bind(*args)
         return self.info()
 
-    def _bind(self, storage, run_rel: str, run_name: str, async_upload: bool, persist_every: Optional[int]) -> None:
+    def _bind(
+        self, storage, run_rel: str, run_name: str, async_upload: bool, persist_every: Optional[int], warm: Warm
+    ) -> None:
         if self._train.busy():
             raise RuntimeError("rebind while the train function is still running")
+        warm_imports.warm(warm)  # what the running workers' train functions imported (before ready)
         self._storage = storage
         self._uploader = AsyncUploader(storage)
         self._async_upload = async_upload
