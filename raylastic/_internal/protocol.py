@@ -25,6 +25,10 @@ from raylastic._internal.snapshots.placement import Holding
 # Bump when a type below changes shape: workers report it in ``WorkerInfo`` and the pool
 # refuses a worker whose version differs from the controller's.
 PROTOCOL_VERSION = 2
+# How long survivors get to unwind their train function before being replaced, and the bound
+# on one call that moves snapshot shards (the controller's wait, and the receiving worker's
+# wait for the exported shards).
+JOIN_TIMEOUT_S = 30.0
 
 
 class WorkerInfo(TypedDict):
@@ -172,6 +176,7 @@ class TrainFunc:
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "JOIN_TIMEOUT_S",
     "ExportedShards",
     "GroupSpec",
     "Holdings",

@@ -163,7 +163,7 @@ class SnapshotStore:
         """Fill snapshot ``index``'s placeholders with another copy's tensors (by leaf
         position); returns what it holds now (WHOLE: all of it)."""
         with self._lock:
-            snap = next((s for s in self._snaps if self.run == run and s.index == index and s.complete.is_set()), None)
+            snap = self._complete(run, index)
             if snap is None:
                 raise RuntimeError(f"no complete in-memory snapshot {index} to merge into")
             snap.tensors = map_leaves(snap.tensors, lambda j, t: tensors[j] if t.is_meta and j in tensors else t)
@@ -176,12 +176,11 @@ class SnapshotStore:
 
     def get(self, run: str, index: int) -> Optional[Snapshot]:
         with self._lock:
-            if self.run != run:
-                return None
-            for s in self._snaps:
-                if s.index == index and s.complete.is_set():
-                    return s
-        return None
+            return self._complete(run, index)
+
+    def _complete(self, run: str, index: int) -> Optional[Snapshot]:
+        """The complete snapshot ``index`` of ``run`` (the caller holds the lock)."""
+        return next((s for s in self._snaps if self.run == run and s.index == index and s.complete.is_set()), None)
 
     def read(self, run: str, index: int, fn: Callable[[Snapshot], T]) -> T:
         """``fn(snapshot)`` for the complete snapshot ``index``, under the store's lock.
@@ -193,7 +192,7 @@ class SnapshotStore:
         lock, so ``fn`` must finish its copy before it returns (``ray.put``, ``torch.save``);
         a commit waits for it. Rare and off the steady training path."""
         with self._lock:
-            snap = next((s for s in self._snaps if self.run == run and s.index == index and s.complete.is_set()), None)
+            snap = self._complete(run, index)
             if snap is None:
                 raise RuntimeError(f"no complete in-memory snapshot {index} here")
             return fn(snap)

@@ -14,15 +14,13 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import ray
 from ray.exceptions import RayActorError
 
+from raylastic._internal.protocol import JOIN_TIMEOUT_S
 from raylastic._internal.worker_group.membership import HungWorker, Interrupted, StopOutcome
 from raylastic._internal.worker_group.pool import WorkerHandle
 from raylastic._internal.worker_group.results import PollResult, StopAnswer
 
 logger = logging.getLogger("raylastic")
 
-# How long survivors get to unwind their train function before being replaced, and the bound on one
-# call that moves snapshot shards.
-JOIN_TIMEOUT_S = 30.0
 # After an abort, the least time a worker gets to unwind (see ``stop``), and the bound on
 # asking a worker about to be replaced for its last words.
 ABORT_JOIN_MIN_S = 5.0

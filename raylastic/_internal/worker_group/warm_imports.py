@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-import time
 from typing import Iterable, Tuple
 
 logger = logging.getLogger(__name__)
@@ -36,10 +35,9 @@ def imported() -> Tuple[str, ...]:
     return tuple(m for m in SLOW_IMPORTS if m in sys.modules)
 
 
-def warm(modules: Iterable[str]) -> float:
-    """Import ``modules`` (those of ``SLOW_IMPORTS`` only: the list comes over the wire);
-    returns the seconds it took. An import that fails is left to the train function."""
-    start = time.perf_counter()
+def warm(modules: Iterable[str]) -> None:
+    """Import ``modules`` (those of ``SLOW_IMPORTS`` only: the list comes over the wire).
+    An import that fails is left to the train function."""
     for name in modules:
         if name not in SLOW_IMPORTS or name in sys.modules:
             continue
@@ -47,7 +45,6 @@ def warm(modules: Iterable[str]) -> float:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - a head start, never a failure
             logger.debug("could not import %s ahead of the train function: %s", name, e)
-    return time.perf_counter() - start
 
 
 __all__ = ["SLOW_IMPORTS", "imported", "warm"]

@@ -32,7 +32,7 @@ from raylastic.checkpoint.uploader import AsyncUploader, checksum_tree
 from raylastic.policies.node_types import MARKET_LABEL, NODE_TYPE_LABEL, RESOURCE_PREFIX
 from raylastic.session import GroupSpec, RestoreInfo, Session, StopTraining, checkpoint_rel
 from raylastic._internal.snapshots.placement import Holding
-from raylastic._internal.protocol import PROTOCOL_VERSION, ExportedShards, StoreAddress, WorkerInfo
+from raylastic._internal.protocol import JOIN_TIMEOUT_S, PROTOCOL_VERSION, ExportedShards, StoreAddress, WorkerInfo
 from raylastic._internal.worker_group import warm_imports
 from raylastic._internal.worker_group.train_thread import TrainThread
 from raylastic._internal.worker_group.results import (
@@ -79,9 +79,6 @@ def _route_ray_train(sess: Session) -> None:
 # Seconds a worker waits before joining a process group (fault injection, tests only: see
 # raylastic.testing.faults.slow_joins). Read from the worker's environment.
 JOIN_DELAY_ENV = "RAYLASTIC_TESTING_JOIN_DELAY_S"
-# Seconds ``merge_snapshot`` waits for the exported shards, as the controller waits for the
-# merge (JOIN_TIMEOUT_S): frees the actor thread when the exporter died meanwhile.
-MERGE_FETCH_TIMEOUT_S = 30.0
 Warm = Tuple[str, ...]  # slow imports to make before the worker is ready (warm_imports.py)
 
 
@@ -326,7 +323,9 @@ class TrainWorker:
     def merge_snapshot(self, index: int, exported: ExportedShards) -> Holding:
         """Add another worker's shards of snapshot ``index`` to this worker's copy.
         Returns what it holds now (``WHOLE`` once it has all of it)."""
-        leaves = ray.get(exported["leaves"], timeout=MERGE_FETCH_TIMEOUT_S)
+        # As long as the controller waits for the merge: frees this actor thread when the
+        # exporter died meanwhile.
+        leaves = ray.get(exported["leaves"], timeout=JOIN_TIMEOUT_S)
         return _store().merge(self._run_rel, index, exported["holding"], leaves)
 
     def _finish_uploads(self, sess: Session) -> None:
